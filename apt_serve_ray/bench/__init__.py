@@ -1,0 +1,1 @@
+"""Model-free benchmark helpers: seeded request traces and SLO metrics on request timelines."""

@@ -1,0 +1,87 @@
+"""Engine configuration, validated once at the boundary and never mutated afterwards."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs to start.
+
+    Cache size: ``num_pages`` wins over ``cache_budget_bytes``; with neither, the engine uses 512 MiB on
+    CPU and 80% of the free accelerator memory after loading weights on CUDA.
+    """
+
+    model: str = "smollm2-135m-instruct"
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    num_threads: int | None = None
+    # Cache.
+    block_size: int = 16
+    cache_budget_bytes: int | None = None
+    num_pages: int | None = None
+    cache_ratio: float = 0.0
+    force_hidden: bool = False
+    # Batching.
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    policy: str = "sarathi"
+    # Per-request defaults (SLOs in milliseconds; lower priority value = served earlier, as in vLLM).
+    default_ttft_slo_ms: float = 10_000.0
+    default_tbt_slo_ms: float = 1_000.0
+    default_priority: int = 0
+    # Memory watermarks (share of pages in use) steering the hidden target and admission.
+    light_watermark: float = 0.7
+    heavy_watermark: float = 0.9
+    max_hidden_ratio: float = 0.7
+    hidden_ratio_step: float = 0.1
+    enable_watermarks: bool = False
+    calibrate_rho: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model: must be a non-empty string, got {self.model!r}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype: must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.device not in _DEVICES:
+            raise ValueError(f"device: must be one of {_DEVICES}, got {self.device!r}")
+        _positive_int("block_size", self.block_size)
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        for name in ("max_model_len", "num_threads", "num_pages", "cache_budget_bytes"):
+            value = getattr(self, name)
+            if value is not None:
+                _positive_int(name, value)
+        for name in ("cache_ratio", "light_watermark", "heavy_watermark", "max_hidden_ratio", "hidden_ratio_step"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name}: must be a number in [0, 1], got {value!r}")
+        if self.light_watermark > self.heavy_watermark:
+            raise ValueError(
+                f"light_watermark: {self.light_watermark} must not exceed heavy_watermark {self.heavy_watermark}"
+            )
+        for name in ("default_ttft_slo_ms", "default_tbt_slo_ms"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name}: must be a positive number, got {value!r}")
+        from apt_serve_ray.scheduler.registry import policy_names
+
+        if self.policy not in policy_names():
+            raise ValueError(f"policy: unknown policy {self.policy!r}; valid names: {sorted(policy_names())}")
+
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: must be a positive integer, got {value!r}")

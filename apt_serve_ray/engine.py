@@ -1,0 +1,270 @@
+"""The synchronous engine: add requests, ``step()`` (schedule, run, postprocess), collect outputs.
+
+Single-threaded by design: the async engine and the Ray deployment drive it from one loop thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Callable
+
+import torch
+
+from apt_serve_ray.cache.cache_manager import CacheManager
+from apt_serve_ray.cache.page_pool import PagePool
+from apt_serve_ray.config import EngineConfig
+from apt_serve_ray.detokenizer import IncrementalDetokenizer
+from apt_serve_ray.model_loader import load_tokenizer, resolve_model
+from apt_serve_ray.model_runner import ModelRunner
+from apt_serve_ray.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from apt_serve_ray.request import CacheKind, Request, RequestStatus
+from apt_serve_ray.sampling_params import SamplingParams
+from apt_serve_ray.scheduler.registry import make_policy
+from apt_serve_ray.scheduler.scheduler import Scheduler
+from apt_serve_ray.scheduler.watermarks import Watermarks
+
+logger = logging.getLogger("apt_serve_ray")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.source = resolve_model(config.model)
+        self.tokenizer = load_tokenizer(self.source, config.tokenizer)
+        self.runner = ModelRunner(config, self.source)
+        self.layout = self.runner.layout
+        self.max_model_len = self.runner.max_model_len
+        self.vocab_size = self.runner.model.shape.vocab_size
+        self.cache = CacheManager(PagePool(self.runner.num_pages), self.layout)
+        self.hidden_allowed = self.layout.hidden_saves_memory or config.force_hidden
+        self._log_cache_geometry()
+        self.scheduler = Scheduler(config, self.cache, None, self.hidden_allowed)
+        self.set_policy(make_policy(config.policy, config))
+        self.watermarks = (
+            Watermarks(config.light_watermark, config.heavy_watermark, config.max_hidden_ratio,
+                       config.hidden_ratio_step, base=self.scheduler.cache_ratio)
+            if config.enable_watermarks else None
+        )
+        self.monitor_callback: Callable[[float], None] | None = None
+        self.eos_token_ids = self._eos_ids()
+        self.requests: dict[str, Request] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.last_step: dict[str, float] = {}
+        self.num_steps = 0
+
+    # Set-up ---------------------------------------------------------------------------------------
+    def _log_cache_geometry(self) -> None:
+        lay = self.layout
+        kv, hid = lay.bytes_per_token(CacheKind.KV), lay.bytes_per_token(CacheKind.HIDDEN)
+        if lay.hidden_saves_memory:
+            logger.info("hybrid cache on: hidden %d B/token vs KV %d B/token (ratio %.2f); %d pages of %d B",
+                        hid, kv, lay.hidden_ratio, self.runner.num_pages, lay.bytes_per_page)
+        else:
+            logger.info("hybrid cache off for this model: hidden state %d B/token >= KV %d B/token "
+                        "(grouped-query attention); %s; %d pages of %d B", hid, kv,
+                        "hidden kind FORCED on for testing" if self.config.force_hidden else "KV pages only",
+                        self.runner.num_pages, lay.bytes_per_page)
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        eos = getattr(self.runner.hf_config, "eos_token_id", None)
+        ids.update(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    def set_policy(self, policy) -> None:
+        if hasattr(policy, "bind"):
+            policy.bind(self)
+        self.scheduler.policy = policy
+
+    # Requests -------------------------------------------------------------------------------------
+    def make_request(
+        self, prompt: str | list[int], sampling_params: SamplingParams | None = None, request_id: str | None = None,
+        *, arrival_time: float | None = None, ttft_slo_ms: float | None = None, tbt_slo_ms: float | None = None,
+        priority: int | None = None,
+    ) -> Request:
+        """Validate and tokenise; raises ValueError naming the bad field. Does not touch engine state."""
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            text, ids = None, list(prompt)
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt: token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        else:
+            raise ValueError("prompt: must be a string or a list of token ids")
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(ids)} tokens leave no room to generate within the model's context of "
+                f"{self.max_model_len} tokens"
+            )
+        for name, value in (("ttft_slo_ms", ttft_slo_ms), ("tbt_slo_ms", tbt_slo_ms)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                raise ValueError(f"{name}: must be a positive number of milliseconds, got {value!r}")
+        if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
+            raise ValueError(f"priority: must be an integer, got {priority!r}")
+        return Request(
+            request_id or uuid.uuid4().hex, ids, params, prompt=text, arrival_time=arrival_time,
+            max_total_tokens=self.max_model_len,
+            ttft_slo_ms=ttft_slo_ms or self.config.default_ttft_slo_ms,
+            tbt_slo_ms=tbt_slo_ms or self.config.default_tbt_slo_ms,
+            priority=self.config.default_priority if priority is None else priority,
+        )
+
+    def add_request(self, prompt, sampling_params=None, request_id=None, **kwargs) -> Request:
+        request = prompt if isinstance(prompt, Request) else self.make_request(prompt, sampling_params, request_id, **kwargs)
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id: {request.request_id!r} is already in use")
+        sp = request.sampling_params
+        self._detokenizers[request.request_id] = IncrementalDetokenizer(
+            self.tokenizer, sp.skip_special_tokens, sp.stop_strings, sp.include_stop_str_in_output
+        )
+        self.requests[request.request_id] = request
+        self.scheduler.add_request(request)
+        return request
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        return self._finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # The step -------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        usage = self.cache.pool.usage()
+        if self.watermarks is not None:
+            decision = self.watermarks.observe(usage)
+            if decision.changed:
+                logger.info("watermarks: %s", decision.reason)
+                self.scheduler.set_cache_ratio(decision.cache_ratio)
+                self.scheduler.pressure_admit = decision.admit
+        if self.monitor_callback is not None:
+            self.monitor_callback(usage)
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            self.last_step = {}
+            return []
+        t1 = time.perf_counter()
+        try:
+            results = self.runner.execute(out)
+        except Exception as exc:  # the step failed: every request in it ends with an explicit error
+            logger.exception("step failed; failing %d requests", len(out.chunks))
+            self.cache.release_deferred()
+            failed = []
+            for chunk in out.chunks:
+                chunk.request.error = f"{type(exc).__name__}: {exc}"
+                failed.append(self._finish(chunk.request, RequestStatus.FINISHED_ERROR))
+            return failed
+        self.cache.release_deferred()
+        t2 = time.perf_counter()
+        now = time.monotonic()
+        for chunk in out.chunks:
+            chunk.request.num_computed_tokens += chunk.num_tokens
+        outputs = [self._on_token(request, sampled, now) for request, sampled in results]
+        self.num_steps += 1
+        t3 = time.perf_counter()
+        self.last_step = {
+            "schedule_s": out.schedule_time_s, "execute_s": t2 - t1, "total_s": t3 - t0,
+            "num_tokens": out.num_batched_tokens, "num_seqs": len(out.chunks), "num_preempted": len(out.preempted),
+        }
+        return outputs
+
+    def _on_token(self, request: Request, sampled, now: float) -> RequestOutput:
+        token = sampled.token_id
+        request.append_output_token(token, now)
+        if sampled.logprob is not None:
+            request.cumulative_logprob += sampled.logprob
+            request.output_logprobs.append(sampled.top_logprobs)
+        stop_string = self._detokenizers[request.request_id].add_token(token)
+        sp = request.sampling_params
+        status, reason = None, None
+        may_stop = request.num_output_tokens >= sp.min_tokens
+        if may_stop and stop_string is not None:
+            status, reason = RequestStatus.FINISHED_STOPPED, stop_string
+        elif may_stop and not sp.ignore_eos and token in self.eos_token_ids:
+            status = RequestStatus.FINISHED_STOPPED
+        elif may_stop and token in sp.stop_token_ids:
+            status, reason = RequestStatus.FINISHED_STOPPED, token
+        elif request.num_output_tokens >= request.max_output_tokens:
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            request.stop_reason = reason
+            return self._finish(request, status)
+        return self._output(request)
+
+    def _finish(self, request: Request, status: RequestStatus) -> RequestOutput:
+        self.scheduler.finish(request, status)
+        request.finish_time = time.monotonic()
+        self.runner.sampler.forget(request.request_id)
+        output = self._output(request)
+        self.requests.pop(request.request_id, None)
+        self._detokenizers.pop(request.request_id, None)
+        return output
+
+    def _output(self, request: Request) -> RequestOutput:
+        detok = self._detokenizers[request.request_id]
+        finished = request.is_finished
+        new_tokens = request.output_token_ids[len(request.output_token_ids) - 1 :] if request.token_times else []
+        completion = CompletionOutput(
+            index=0, text=detok.text, token_ids=list(request.output_token_ids),
+            cumulative_logprob=request.cumulative_logprob if request.sampling_params.logprobs is not None else None,
+            logprobs=list(request.output_logprobs) if request.sampling_params.logprobs is not None else None,
+            finish_reason=request.status.value if finished else None, stop_reason=request.stop_reason,
+            delta_text=detok.take_delta(finished), delta_token_ids=new_tokens,
+        )
+        metrics = RequestMetrics(
+            request.arrival_time, request.first_scheduled_time, request.first_token_time, request.last_token_time,
+            request.finish_time, list(request.token_times), request.num_preemptions, request.num_upgrades,
+            request.kind.value if request.kind else None,
+        )
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion], finished,
+                             metrics, request.error)
+
+    # Knobs and stats ------------------------------------------------------------------------------
+    def adjust_cache_ratio(self, ratio: float) -> None:
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"cache_ratio: must be a number in [0, 1], got {ratio!r}")
+        self.scheduler.set_cache_ratio(float(ratio))
+        if self.watermarks is not None:
+            self.watermarks.base = self.watermarks.ratio = self.scheduler.cache_ratio
+
+    def set_admission(self, open_: bool) -> None:
+        self.scheduler.admission_open = bool(open_)
+
+    def cache_stats(self) -> dict:
+        pool, lay = self.cache.pool, self.layout
+        used = pool.num_used_pages
+        active = list(self.scheduler.running) + list(self.scheduler.waiting)
+        return {
+            "hidden_supported": lay.hidden_saves_memory,
+            "hidden_allowed": self.hidden_allowed,
+            "hidden_ratio": lay.hidden_ratio,
+            "bytes_per_token": {k.value: lay.bytes_per_token(k) for k in CacheKind},
+            "tokens_per_page": {k.value: lay.tokens_per_page(k) for k in CacheKind},
+            "bytes_per_page": lay.bytes_per_page,
+            "num_pages": pool.num_pages,
+            "num_free_pages": pool.num_free_pages,
+            "pages": {k.value: pool.num_used(k) for k in CacheKind},
+            "tokens": self.cache.num_cached_tokens(active),
+            "usage": used / pool.num_pages,
+            "cache_ratio": self.scheduler.cache_ratio,
+            "hidden_share": self.scheduler.hidden_share(),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_running": len(self.scheduler.running),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "admission_open": self.scheduler.admission_open and self.scheduler.pressure_admit,
+        }

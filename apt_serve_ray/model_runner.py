@@ -1,0 +1,174 @@
+"""Runs one scheduled step on the model: builds the flat token batch and attention metadata from the
+``SchedulerOutput``, performs hidden->KV upgrades, runs the forward pass, samples. No policy here."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from apt_serve_ray.cache.cache_manager import UpgradePlan
+from apt_serve_ray.cache.layout import CacheLayout
+from apt_serve_ray.cache.storage import CacheStorage
+from apt_serve_ray.config import EngineConfig
+from apt_serve_ray.model_loader import ModelSource, load_config, load_state_dict
+from apt_serve_ray.models import DecoderModel, model_class
+from apt_serve_ray.paged_attention import AttentionMetadata, DecodeGroup, PrefillChunk, SlotWrite
+from apt_serve_ray.request import CacheKind, Request
+from apt_serve_ray.sampler import SampledToken, Sampler
+from apt_serve_ray.scheduler.output import ScheduledChunk, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DEFAULT_CPU_CACHE_BYTES = 512 * 1024 * 1024
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: 'cuda' requested but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, source: ModelSource) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.hf_config = load_config(source)
+        model_max = getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        if config.max_model_len is not None and config.max_model_len > model_max:
+            raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's context {model_max}")
+        self.max_model_len = config.max_model_len or model_max
+        cls = model_class(self.hf_config.model_type)
+        state = load_state_dict(source, self.dtype)
+        self.model: DecoderModel = cls(self.hf_config, state, self.device, self.dtype, self.max_model_len)
+        del state
+        s = self.model.shape
+        self.layout = CacheLayout(
+            num_layers=s.num_layers, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
+            hidden_size=s.hidden_size, block_size=config.block_size,
+            dtype_bytes=torch.finfo(self.dtype).bits // 8,
+        )
+        self.num_pages = self._num_pages()
+        self.storage = CacheStorage(self.layout, self.num_pages, self.device, self.dtype)
+        self.sampler = Sampler(config.seed)
+
+    def _num_pages(self) -> int:
+        if self.config.num_pages is not None:
+            return self.config.num_pages
+        budget = self.config.cache_budget_bytes
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * 0.8)
+            else:
+                budget = _DEFAULT_CPU_CACHE_BYTES
+        num = budget // self.layout.bytes_per_page
+        if num < 1:
+            raise ValueError(
+                f"cache_budget_bytes: {budget} bytes is smaller than one page ({self.layout.bytes_per_page} bytes)"
+            )
+        return num
+
+    # One step -------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> list[tuple[Request, SampledToken]]:
+        for plan in out.upgrades:
+            self._upgrade(plan)
+        if not out.chunks:
+            return []
+        input_ids, positions, meta, sample_rows, sample_requests = self._prepare(out.chunks)
+        hidden = self.model.forward(input_ids, positions, meta)
+        if not sample_rows:
+            return []
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        return list(zip(sample_requests, self.sampler.sample(logits, sample_requests)))
+
+    def _prepare(self, chunks: list[ScheduledChunk]):
+        ids: list[int] = []
+        positions: list[int] = []
+        writes = {CacheKind.KV: ([], [], []), CacheKind.HIDDEN: ([], [], [])}
+        decodes = {CacheKind.KV: [], CacheKind.HIDDEN: []}
+        prefills: list[PrefillChunk] = []
+        sample_rows: list[int] = []
+        sample_requests: list[Request] = []
+        row = 0
+        for chunk in chunks:
+            r, n = chunk.request, chunk.num_tokens
+            start, end = r.num_computed_tokens, r.num_computed_tokens + chunk.num_tokens
+            ids.extend(r.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            tpp = self.layout.tokens_per_page(r.kind)
+            pages = torch.tensor(r.page_ids)
+            pos = torch.arange(start, end)
+            rows, wpages, woffs = writes[r.kind]
+            rows.append(torch.arange(row, row + n))
+            wpages.append(pages[pos // tpp])
+            woffs.append(pos % tpp)
+            if n == 1:
+                decodes[r.kind].append((row, end, pages))
+            else:
+                c = PrefillChunk(row, n, start, r.kind is CacheKind.HIDDEN)
+                if start > 0:
+                    ctx = torch.arange(end)
+                    c.pages, c.offsets = self._to(pages[ctx // tpp]), self._to(ctx % tpp)
+                prefills.append(c)
+            if chunk.completes:
+                sample_rows.append(row + n - 1)
+                sample_requests.append(r)
+            row += n
+        meta = AttentionMetadata(storage=self.storage, num_tokens=row, prefills=prefills)
+        meta.kv_write = self._slot_write(*writes[CacheKind.KV])
+        meta.hidden_write = self._slot_write(*writes[CacheKind.HIDDEN])
+        meta.decode_kv = self._decode_group(decodes[CacheKind.KV], self.layout.tokens_per_page(CacheKind.KV))
+        meta.decode_hidden = self._decode_group(decodes[CacheKind.HIDDEN], self.layout.tokens_per_page(CacheKind.HIDDEN))
+        return self._to(torch.tensor(ids)), self._to(torch.tensor(positions)), meta, sample_rows, sample_requests
+
+    def _to(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device, non_blocking=True)
+
+    def _slot_write(self, rows, pages, offsets) -> SlotWrite | None:
+        if not rows:
+            return None
+        return SlotWrite(self._to(torch.cat(rows)), self._to(torch.cat(pages)), self._to(torch.cat(offsets)))
+
+    def _decode_group(self, entries, tokens_per_page: int) -> DecodeGroup | None:
+        if not entries:
+            return None
+        rows = torch.tensor([e[0] for e in entries])
+        ctx = torch.tensor([e[1] for e in entries])
+        max_pages = max(len(e[2]) for e in entries)
+        table = torch.zeros(len(entries), max_pages, dtype=torch.long)
+        for i, (_, _, pages) in enumerate(entries):
+            table[i, : len(pages)] = pages
+        length = int(ctx.max())
+        pos = torch.arange(length)
+        pages = table[:, pos // tokens_per_page]  # padding slots read page 0 and are masked out
+        offsets = (pos % tokens_per_page).expand(len(entries), length)
+        mask = (pos[None, :] < ctx[:, None])[:, None, None, :]
+        return DecodeGroup(self._to(rows), self._to(pages), self._to(offsets), self._to(pos), self._to(mask))
+
+    def _upgrade(self, plan: UpgradePlan) -> None:
+        """Project K/V of every stored x into the new KV pages, layer by layer."""
+        if plan.num_tokens == 0:
+            return
+        pos = torch.arange(plan.num_tokens)
+        tpp = self.layout.tokens_per_page(CacheKind.HIDDEN)
+        src_pages = self._to(torch.tensor(plan.hidden_pages)[pos // tpp])
+        src_offs = self._to(pos % tpp)
+        dst_pages = self._to(torch.tensor(plan.kv_pages)[pos // self.layout.block_size])
+        dst_offs = self._to(pos % self.layout.block_size)
+        pos = self._to(pos)
+        for layer in range(self.layout.num_layers):
+            x = self.storage.hidden[layer][src_pages, src_offs]
+            k, v = self.model.project_kv(layer, x, pos)
+            self.storage.kv[layer][dst_pages, dst_offs] = torch.stack((k, v), dim=1)

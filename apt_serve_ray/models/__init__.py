@@ -1,0 +1,18 @@
+"""Model registry: architecture (transformers ``model_type``) -> our implementation."""
+
+from __future__ import annotations
+
+from apt_serve_ray.models.base import DecoderModel, ModelShape
+from apt_serve_ray.models.llama import LlamaModel
+from apt_serve_ray.models.opt import OPTModel
+
+MODEL_REGISTRY: dict[str, type[DecoderModel]] = {"llama": LlamaModel, "opt": OPTModel}
+
+
+def model_class(model_type: str) -> type[DecoderModel]:
+    if model_type not in MODEL_REGISTRY:
+        raise ValueError(f"model: unsupported architecture {model_type!r}; supported: {sorted(MODEL_REGISTRY)}")
+    return MODEL_REGISTRY[model_type]
+
+
+__all__ = ["DecoderModel", "ModelShape", "MODEL_REGISTRY", "model_class"]

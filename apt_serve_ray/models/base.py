@@ -1,0 +1,56 @@
+"""What the model runner needs from a model: a forward pass over a flat token batch on the paged
+cache, logits for chosen rows, and K/V projection of stored x (hidden-cache decode and upgrades)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from apt_serve_ray.paged_attention import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_model_len: int
+
+
+class DecoderModel:
+    shape: ModelShape
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """[T] token ids at [T] positions -> [T, hidden] final hidden states."""
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def project_kv(self, layer: int, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stored x [..., n, hidden] -> rotated K and V [..., n, kv_heads, head_dim] of ``layer``."""
+        raise NotImplementedError
+
+
+def take(state: dict[str, torch.Tensor], name: str, device, dtype) -> torch.Tensor:
+    if name not in state:
+        raise ValueError(f"checkpoint: missing weight {name!r}")
+    return state.pop(name).to(device=device, dtype=dtype)
+
+
+def take_optional(state: dict[str, torch.Tensor], name: str, device, dtype) -> torch.Tensor | None:
+    return take(state, name, device, dtype) if name in state else None
+
+
+def fuse(*tensors: torch.Tensor | None) -> torch.Tensor | None:
+    """Concatenate projection weights (or biases) along the output dim; None if all are None."""
+    present = [t for t in tensors if t is not None]
+    if not present:
+        return None
+    if len(present) != len(tensors):
+        raise ValueError("checkpoint: some of q/k/v have a bias and others do not")
+    return torch.cat(present, dim=0).contiguous()

@@ -1,0 +1,87 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, MHA or grouped-query) on the paged hybrid cache."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from apt_serve_ray.models.base import DecoderModel, ModelShape, fuse, take, take_optional
+from apt_serve_ray.models.rotary import RotaryEmbedding
+from apt_serve_ray.paged_attention import AttentionMetadata, paged_attention
+
+
+class _Layer:
+    def __init__(self, state, prefix, device, dtype):
+        g = lambda n: take(state, prefix + n, device, dtype)  # noqa: E731
+        o = lambda n: take_optional(state, prefix + n, device, dtype)  # noqa: E731
+        self.input_norm = g("input_layernorm.weight")
+        self.post_norm = g("post_attention_layernorm.weight")
+        self.w_qkv = fuse(g("self_attn.q_proj.weight"), g("self_attn.k_proj.weight"), g("self_attn.v_proj.weight"))
+        self.b_qkv = fuse(o("self_attn.q_proj.bias"), o("self_attn.k_proj.bias"), o("self_attn.v_proj.bias"))
+        self.w_o = g("self_attn.o_proj.weight")
+        self.b_o = o("self_attn.o_proj.bias")
+        self.w_gate_up = fuse(g("mlp.gate_proj.weight"), g("mlp.up_proj.weight"))
+        self.w_down = g("mlp.down_proj.weight")
+
+
+class LlamaModel(DecoderModel):
+    def __init__(self, config, state: dict[str, torch.Tensor], device, dtype, max_model_len: int) -> None:
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        self.shape = ModelShape(
+            num_layers=config.num_hidden_layers,
+            hidden_size=config.hidden_size,
+            num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            vocab_size=config.vocab_size,
+            max_model_len=max_model_len,
+        )
+        self.eps = config.rms_norm_eps
+        self.q_dim = heads * head_dim
+        self.kv_dim = self.shape.num_kv_heads * head_dim
+        self.scale = head_dim**-0.5
+        self.embed = take(state, "model.embed_tokens.weight", device, dtype)
+        self.layers = [_Layer(state, f"model.layers.{i}.", device, dtype) for i in range(self.shape.num_layers)]
+        self.norm = take(state, "model.norm.weight", device, dtype)
+        lm_head = take_optional(state, "lm_head.weight", device, dtype)
+        self.lm_head = self.embed if lm_head is None or getattr(config, "tie_word_embeddings", False) else lm_head
+        self.rotary = RotaryEmbedding(config, head_dim, max_model_len, device, dtype)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # Same op order as transformers' LlamaRMSNorm (float32 statistics), so bf16 matches too.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * h.to(x.dtype)
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata):
+        s = self.shape
+        h = F.embedding(input_ids, self.embed)
+        n = h.shape[0]
+        for i, layer in enumerate(self.layers):
+            x = self._rms_norm(h, layer.input_norm)
+            qkv = F.linear(x, layer.w_qkv, layer.b_qkv)
+            q = qkv[:, : self.q_dim].view(n, s.num_heads, s.head_dim)
+            k = qkv[:, self.q_dim : self.q_dim + self.kv_dim].view(n, s.num_kv_heads, s.head_dim)
+            v = qkv[:, self.q_dim + self.kv_dim :].view(n, s.num_kv_heads, s.head_dim)
+            q = self.rotary.apply(q, positions)
+            k = self.rotary.apply(k, positions)
+            project = lambda xs, pos, i=i: self.project_kv(i, xs, pos)  # noqa: E731
+            a = paged_attention(i, q, k, v, x, project, meta, self.scale)
+            h = h + F.linear(a.reshape(n, -1), layer.w_o, layer.b_o)
+            x = self._rms_norm(h, layer.post_norm)
+            gate, up = F.linear(x, layer.w_gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer.w_down)
+        return self._rms_norm(h, self.norm)
+
+    def compute_logits(self, hidden):
+        return F.linear(hidden, self.lm_head)
+
+    def project_kv(self, layer, x, positions):
+        s, lay = self.shape, self.layers[layer]
+        w = lay.w_qkv[self.q_dim :]
+        b = None if lay.b_qkv is None else lay.b_qkv[self.q_dim :]
+        kv = F.linear(x, w, b)
+        k = kv[..., : self.kv_dim].unflatten(-1, (s.num_kv_heads, s.head_dim))
+        v = kv[..., self.kv_dim :].unflatten(-1, (s.num_kv_heads, s.head_dim))
+        return self.rotary.apply(k, positions), v

@@ -1,0 +1,137 @@
+"""A request as the engine tracks it: tokens, progress, cache pages, SLO targets and timestamps.
+
+One token model (as in vLLM v1): a request has ``num_tokens`` known tokens (prompt + generated) and
+``num_computed_tokens`` of them in its cache. Every step the scheduler lets ``num_computed_tokens``
+catch up; when it reaches ``num_tokens`` the step samples one more token. Prefill, chunked prefill,
+decode and recompute after preemption are all the same thing seen from here.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from apt_serve_ray.sampling_params import SamplingParams
+
+
+class CacheKind(str, enum.Enum):
+    KV = "kv"
+    HIDDEN = "hidden"
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+        eos_token_id: int | None = None,
+        max_total_tokens: int,
+        ttft_slo_ms: float,
+        tbt_slo_ms: float,
+        priority: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.ttft_slo_ms = ttft_slo_ms
+        self.tbt_slo_ms = tbt_slo_ms
+        self.priority = priority
+        max_new = max_total_tokens - len(self.prompt_token_ids)
+        if sampling_params.max_tokens is not None:
+            max_new = min(max_new, sampling_params.max_tokens)
+        self.max_output_tokens = max_new
+
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.output_logprobs: list[dict[int, float]] = []
+        self.cumulative_logprob = 0.0
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.error: str | None = None
+
+        # Cache state: owned by the cache manager, read by scheduler and runner.
+        self.kind: CacheKind | None = None
+        self.page_ids: list[int] = []
+
+        # Timestamps (time.monotonic seconds) for every latency metric.
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.token_times: list[float] = []
+        self.finish_time: float | None = None
+        self.num_preemptions = 0
+        self.num_upgrades = 0
+
+    # Token counts -------------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def is_decoding(self) -> bool:
+        """Has produced a token and has exactly one token left to compute (steady-state decode)."""
+        return self.num_output_tokens > 0 and self.num_tokens_to_compute == 1
+
+    # Latency bookkeeping ------------------------------------------------------------------------
+    def pending_time(self, now: float) -> float:
+        """Time since this request last received a token (or since arrival before its first)."""
+        last = self.last_token_time if self.last_token_time is not None else self.arrival_time
+        return max(0.0, now - last)
+
+    def deadline(self) -> float:
+        """When the next token is due under its SLO."""
+        if self.last_token_time is None:
+            return self.arrival_time + self.ttft_slo_ms / 1000.0
+        return self.last_token_time + self.tbt_slo_ms / 1000.0
+
+    def append_output_token(self, token_id: int, now: float) -> None:
+        self.all_token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.last_token_time = now
+        self.token_times.append(now)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+            f"status={self.status.value}, kind={self.kind.value if self.kind else None}, pages={len(self.page_ids)})"
+        )

@@ -1,0 +1,1 @@
+"""Scheduling policies: interchangeable implementations of ``SchedulingPolicy``."""

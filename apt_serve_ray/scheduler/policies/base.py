@@ -1,0 +1,60 @@
+"""The policy interface and the two moves every policy composes: run the running, admit the waiting."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable, ClassVar, Iterable
+
+from apt_serve_ray.request import Request, RequestStatus
+
+
+class SchedulingPolicy(ABC):
+    name: ClassVar[str]
+
+    def __init__(self, config, **options) -> None:
+        if options:
+            raise ValueError(f"policy {self.name!r}: unknown options {sorted(options)}")
+        self.config = config
+
+    @abstractmethod
+    def schedule(self, ctx) -> None:
+        """Choose this step's work through ``ctx`` (a ``SchedulingContext``)."""
+
+
+def run_running(ctx, order: Iterable[Request], victim_key: Callable[[Request], object], chunked: bool) -> None:
+    """Give each running request in ``order`` its next tokens (a chunk of them when ``chunked``).
+    When pages run out, preempt the running request with the largest ``victim_key`` (possibly the
+    request itself, which then waits)."""
+    for request in list(order):
+        if request.status is not RequestStatus.RUNNING or ctx.is_scheduled(request):
+            continue
+        n = request.num_tokens_to_compute
+        if chunked:
+            n = min(n, ctx.token_budget)
+        if n <= 0 or n > ctx.token_budget or ctx.num_seqs_left <= 0:
+            continue
+        while not ctx.schedule(request, n):
+            if ctx.cache.can_allocate(request, request.num_computed_tokens + n):
+                break  # not memory: budget or sequence limit
+            victim = max(ctx.running, key=victim_key)
+            ctx.preempt(victim)
+            if victim is request:
+                break
+
+
+def admit_waiting(ctx, order: Iterable[Request], chunked: bool, kind_for=None) -> int:
+    """Admit waiting requests in ``order`` until the first that does not fit (head-of-line, as vLLM
+    does). Returns how many were scheduled."""
+    admitted = 0
+    for request in list(order):
+        if request.status is not RequestStatus.WAITING or not ctx.can_admit(request):
+            continue
+        n = request.num_tokens_to_compute
+        if chunked:
+            n = min(n, ctx.token_budget)
+        if n <= 0 or n > ctx.token_budget:
+            break
+        if not ctx.schedule(request, n, kind_for(request) if kind_for else None):
+            break
+        admitted += 1
+    return admitted

@@ -1,0 +1,183 @@
+"""The scheduling mechanism: queues, the per-step context the policies act through, and upkeep.
+
+Policies decide *who* runs, in which order, with which cache kind, and whom to preempt; they do it
+only through ``SchedulingContext``'s primitives, which enforce the token budget, the sequence limit
+and the page pool. The mechanism never knows which policy runs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from apt_serve_ray.cache.cache_manager import CacheManager
+from apt_serve_ray.config import EngineConfig
+from apt_serve_ray.request import CacheKind, Request, RequestStatus
+from apt_serve_ray.scheduler.output import ScheduledChunk, SchedulerOutput
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, cache: CacheManager, policy, hidden_allowed: bool) -> None:
+        self.config = config
+        self.cache = cache
+        self.policy = policy
+        self.hidden_allowed = hidden_allowed
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.cache_ratio = config.cache_ratio if hidden_allowed else 0.0
+        self.admission_open = True  # set by the operator / cluster controller
+        self.pressure_admit = True  # set by the in-engine heavy watermark
+        self.num_preemptions = 0
+
+    # Queue upkeep ---------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Remove a request from the queues and return its pages. Idempotent."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.cache.free(request)
+        if not request.is_finished:
+            request.status = status
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def hidden_share(self) -> float:
+        used = self.cache.pool.num_used_pages
+        return self.cache.pool.num_used(CacheKind.HIDDEN) / used if used else 0.0
+
+    def set_cache_ratio(self, ratio: float) -> None:
+        if not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"cache_ratio: must be in [0, 1], got {ratio}")
+        self.cache_ratio = ratio if self.hidden_allowed else 0.0
+
+    # One decision ---------------------------------------------------------------------------------
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
+        start = time.perf_counter()
+        ctx = SchedulingContext(self, time.monotonic() if now is None else now)
+        self.policy.schedule(ctx)
+        out = ctx.output()
+        out.schedule_time_s = time.perf_counter() - start
+        return out
+
+
+class SchedulingContext:
+    """What a policy may see and do during one scheduling decision."""
+
+    def __init__(self, scheduler: Scheduler, now: float) -> None:
+        self._s = scheduler
+        self.now = now
+        self.config = scheduler.config
+        self.token_budget = scheduler.config.max_num_batched_tokens
+        self._chunks: dict[str, ScheduledChunk] = {}
+        self._upgrades = []
+        self._preempted: list[Request] = []
+
+    # Read-only views
+    @property
+    def running(self) -> list[Request]:
+        return self._s.running
+
+    @property
+    def waiting(self) -> deque[Request]:
+        return self._s.waiting
+
+    @property
+    def cache(self) -> CacheManager:
+        return self._s.cache
+
+    @property
+    def hidden_allowed(self) -> bool:
+        return self._s.hidden_allowed
+
+    @property
+    def cache_ratio(self) -> float:
+        return self._s.cache_ratio
+
+    @property
+    def num_free_pages(self) -> int:
+        return self._s.cache.pool.num_free_pages
+
+    @property
+    def num_seqs_left(self) -> int:
+        return self.config.max_num_seqs - len(self._chunks)
+
+    @property
+    def preempted_this_step(self) -> bool:
+        return bool(self._preempted)
+
+    def is_scheduled(self, request: Request) -> bool:
+        return request.request_id in self._chunks
+
+    def can_admit(self, request: Request) -> bool:
+        """New requests wait while admission is closed; ones admitted before (preempted) may resume."""
+        if request.first_scheduled_time is not None:
+            return True
+        return self._s.admission_open and self._s.pressure_admit
+
+    def default_kind(self) -> CacheKind:
+        """Track the hidden target: hidden while the measured hidden share is below it."""
+        if self._s.hidden_allowed and self._s.cache_ratio > 0 and self._s.hidden_share() < self._s.cache_ratio:
+            return CacheKind.HIDDEN
+        return CacheKind.KV
+
+    # Mutations
+    def schedule(self, request: Request, num_tokens: int, kind: CacheKind | None = None) -> bool:
+        """Run ``num_tokens`` more of ``request`` this step. False (nothing changed) if the token
+        budget, the sequence limit or the free pages do not allow it."""
+        if self.is_scheduled(request):
+            raise ValueError(f"request {request.request_id} is already scheduled this step")
+        if not 0 < num_tokens <= request.num_tokens_to_compute:
+            raise ValueError(f"num_tokens: {num_tokens} not in [1, {request.num_tokens_to_compute}]")
+        if num_tokens > self.token_budget or self.num_seqs_left <= 0:
+            return False
+        if request.kind is None:
+            kind = kind or self.default_kind()
+            if kind is CacheKind.HIDDEN and not self._s.hidden_allowed:
+                raise ValueError("kind: the hidden cache kind is disabled for this model")
+        elif kind is not None and kind is not request.kind:
+            raise ValueError(f"kind: request {request.request_id} already holds {request.kind.value} pages")
+        if not self.cache.allocate(request, request.num_computed_tokens + num_tokens, kind):
+            return False
+        if request.status is RequestStatus.WAITING:
+            self._s.waiting.remove(request)
+            self._s.running.append(request)
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = self.now
+        self._chunks[request.request_id] = ScheduledChunk(request, num_tokens)
+        self.token_budget -= num_tokens
+        return True
+
+    def preempt(self, request: Request) -> None:
+        """Free all pages of a running request and requeue it at the front; its generated tokens are
+        kept and recomputed on resume."""
+        chunk = self._chunks.pop(request.request_id, None)
+        if chunk is not None:
+            self.token_budget += chunk.num_tokens
+        self._s.running.remove(request)
+        self.cache.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self._s.num_preemptions += 1
+        self._s.waiting.appendleft(request)
+        self._preempted.append(request)
+
+    def upgrade(self, request: Request) -> bool:
+        """Hidden -> KV in place for a running request (before it is scheduled this step)."""
+        if self.is_scheduled(request):
+            raise ValueError(f"request {request.request_id}: upgrade before scheduling it")
+        plan = self.cache.upgrade(request, request.num_computed_tokens)
+        if plan is None:
+            return False
+        self._upgrades.append(plan)
+        return True
+
+    def output(self) -> SchedulerOutput:
+        return SchedulerOutput(list(self._chunks.values()), list(self._upgrades), list(self._preempted))

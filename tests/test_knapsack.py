@@ -1,0 +1,204 @@
+"""The scheduler's selection step: greedy is a 2-approximation of the exact optimum and always fits."""
+
+import numpy as np
+import pytest
+
+from apt_serve_ray.scheduler.knapsack import (
+    Selection,
+    brute_force_select,
+    compute_values,
+    greedy_select,
+    urgency,
+)
+
+
+def _random_instance(rng: np.random.Generator):
+    n = int(rng.integers(1, 8))
+    style = rng.integers(4)
+    if style == 0:  # equal densities everywhere: ties must be handled deterministically
+        mem_kv = rng.integers(1, 5, n) * 2
+        value = mem_kv * 1.5
+    else:
+        mem_kv = rng.integers(0 if style == 1 else 1, 13, n)
+        value = np.round(rng.uniform(0, 10, n), 1 if style == 2 else 6)
+    if rng.random() < 0.5:
+        mem_hidden = (mem_kv + 1) // 2  # MHA: half, rounded up to whole pages
+    else:
+        mem_hidden = rng.integers(0, 15, n)  # anything, including larger than KV (GQA)
+    recompute_cost = value * rng.choice([0.0, 0.2, 0.5, 0.8, 1.5], n)
+    hidden_ok = rng.random(n) < rng.choice([0.0, 0.5, 1.0])
+    total = int(mem_kv.sum())
+    roll = rng.random()
+    if roll < 0.1:
+        capacity = 0
+    elif roll < 0.3:
+        capacity = int(rng.integers(1, 6))  # smaller than most items
+    else:
+        capacity = int(rng.integers(1, total + 2))
+    return value, recompute_cost, mem_kv, mem_hidden, hidden_ok, capacity
+
+
+def _check_consistent(sel: Selection, value, cost, mem_kv, mem_hidden, hidden_ok, capacity):
+    assert sel.chosen.dtype == bool and sel.hidden.dtype == bool
+    assert not np.any(sel.hidden & ~sel.chosen)
+    assert not np.any(sel.hidden & ~hidden_ok)
+    pages = np.where(sel.hidden, mem_hidden, mem_kv)[sel.chosen].sum()
+    val = np.where(sel.hidden, value - cost, value)[sel.chosen].sum()
+    assert sel.pages == pages <= capacity
+    assert sel.value == pytest.approx(val, abs=1e-9)
+
+
+def test_greedy_is_half_optimal_and_fits_on_random_instances():
+    rng = np.random.default_rng(20250407)
+    for _ in range(3000):
+        args = _random_instance(rng)
+        greedy = greedy_select(*args)
+        exact = brute_force_select(*args)
+        _check_consistent(greedy, *args)
+        _check_consistent(exact, *args)
+        assert greedy.value <= exact.value + 1e-9
+        assert greedy.value >= 0.5 * exact.value - 1e-9, args
+
+
+def test_greedy_is_deterministic_on_ties():
+    mem = np.full(6, 4)
+    args = (np.full(6, 2.0), np.zeros(6), mem, mem // 2, np.zeros(6, bool), 10)
+    first = greedy_select(*args)
+    assert first.chosen.tolist() == [True, True, False, False, False, False]
+    assert greedy_select(*args).chosen.tolist() == first.chosen.tolist()
+
+
+def test_hidden_value_below_half_is_offered_only_as_kv():
+    # v=10, c=6: hidden value 4 < 5. Capacity fits exactly the hidden kind of both requests
+    # (8 points) or the KV kind of one (10): KV-only offer must pick one KV.
+    sel = greedy_select([10.0, 10.0], [6.0, 6.0], [4, 4], [2, 2], [True, True], 4)
+    assert sel.chosen.sum() == 1 and not sel.hidden.any()
+    assert sel.value == 10.0
+
+
+def test_hidden_value_at_least_half_runs_hidden_under_pressure():
+    # c=2: hidden value 8 >= 5, so both run hidden (16) rather than one KV (10).
+    sel = greedy_select([10.0, 10.0], [2.0, 2.0], [4, 4], [2, 2], True, 4)
+    assert sel.chosen.all() and sel.hidden.all() and sel.value == 16.0 and sel.pages == 4
+
+
+def test_upgrade_taken_when_memory_allows():
+    sel = greedy_select([10.0, 10.0], [2.0, 2.0], [4, 4], [2, 2], True, 8)
+    assert sel.chosen.all() and not sel.hidden.any() and sel.value == 20.0 and sel.pages == 8
+
+
+def test_hidden_not_ok_never_runs_hidden():
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        value, cost, mem_kv, mem_hidden, _, capacity = _random_instance(rng)
+        sel = greedy_select(value, cost, mem_kv, mem_hidden, np.zeros(len(value), bool), capacity)
+        assert not sel.hidden.any()
+
+
+def test_hidden_never_chosen_when_it_saves_no_memory():
+    sel = greedy_select([10.0], [0.0], [4], [4], True, 4)
+    assert sel.chosen.all() and not sel.hidden.any()
+
+
+def test_first_misfit_picks_the_single_big_item_when_it_beats_the_prefix():
+    # Small item: density 2 (value 2, 1 page). Big item: density 1.9 (value 19, 10 pages).
+    # Prefix = small (2); big misfits but alone is worth 19 and fits in 10 pages.
+    sel = greedy_select([2.0, 19.0], [0.0, 0.0], [1, 10], [1, 10], False, 10)
+    assert sel.chosen.tolist() == [False, True] and sel.value == 19.0
+
+
+def test_first_misfit_upgrade_alone_means_whole_kv_item():
+    # Request 0: hidden (1 page, value 9) then upgrade (1 page, value 1). Request 1: KV, 2 pages,
+    # value 9.5 (density 4.75): prefix = hidden0 + kv1 = 18.5 uses 3 of 3 pages; the upgrade
+    # misfits, and alone (KV item of request 0, value 10) is worse, so the prefix stays.
+    sel = greedy_select([10.0, 9.5], [1.0, 0.0], [2, 2], [1, 2], [True, False], 3)
+    assert sel.chosen.tolist() == [True, True] and sel.hidden.tolist() == [True, False]
+    assert sel.value == 18.5 and sel.pages == 3
+
+
+def test_zero_capacity_takes_only_zero_page_requests():
+    sel = greedy_select([1.0, 5.0, 0.0], [0.0, 0.0, 0.0], [0, 3, 0], [0, 2, 0], True, 0)
+    assert sel.chosen.tolist() == [True, False, True] and sel.pages == 0
+
+
+def test_kv_larger_than_capacity_is_offered_hidden_alone():
+    sel = greedy_select([10.0], [7.0], [8], [4], True, 5)
+    assert sel.chosen.all() and sel.hidden.all() and sel.value == pytest.approx(3.0)
+
+
+def test_memory_weight_zero_ranks_by_value_only():
+    args = ([1.0, 5.0], [0.0, 0.0], [1, 10], [1, 10], False, 10)
+    assert greedy_select(*args, memory_weight=0.0).chosen.tolist() == [False, True]
+
+
+def test_empty_input():
+    sel = greedy_select([], [], [], [], [], 10)
+    assert sel.chosen.shape == (0,) and sel.value == 0.0 and sel.pages == 0
+
+
+def test_compute_values_weights_and_defaults():
+    pending = np.array([1.0, 2.0])
+    urg = np.array([0.5, 1.0])
+    imp = np.array([3.0, 0.0])
+    pages = np.array([4, 8])
+    assert compute_values(pending, urg, imp, pages).tolist() == [1.0, 2.0]
+    got = compute_values(pending, urg, imp, pages, time_weight=2.0, slo_weight=4.0,
+                         priority_weight=1.0)
+    assert got.tolist() == [2.0 + 2.0 + 3.0, 4.0 + 4.0]
+
+
+def test_urgency_rises_towards_deadline():
+    got = urgency(100.0, np.array([200.0, 104.0, 101.0, 100.0, 90.0]), 4.0)
+    assert got.tolist() == [0.0, 0.0, 0.75, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(time_weight=-1.0), "time_weight"),
+    (dict(slo_weight=-0.1), "slo_weight"),
+    (dict(priority_weight=-2.0), "priority_weight"),
+    (dict(memory_weight=-1.0), "memory_weight"),
+    (dict(urgency=[0.0]), "urgency"),
+    (dict(importance=[0.0, 1.0, 2.0]), "importance"),
+    (dict(pages=[1]), "pages"),
+    (dict(pending_s=[-1.0, 0.0]), "pending_s"),
+])
+def test_compute_values_errors_name_the_field(kwargs, field):
+    args = dict(pending_s=[1.0, 2.0], urgency=[0.0, 0.0], importance=[0.0, 0.0], pages=[1, 2])
+    args.update(kwargs)
+    pending, urg, imp, pages = (args.pop(k) for k in ("pending_s", "urgency", "importance", "pages"))
+    with pytest.raises(ValueError, match=field):
+        compute_values(pending, urg, imp, pages, **args)
+
+
+@pytest.mark.parametrize("override, field", [
+    (dict(capacity=-1), "capacity"),
+    (dict(capacity=2.5), "capacity"),
+    (dict(recompute_cost=[1.0]), "recompute_cost"),
+    (dict(mem_kv=[1, 2, 3]), "mem_kv"),
+    (dict(mem_hidden=[1]), "mem_hidden"),
+    (dict(hidden_ok=[True]), "hidden_ok"),
+    (dict(value=[-1.0, 1.0]), "value"),
+    (dict(mem_kv=[1, -2]), "mem_kv"),
+    (dict(mem_hidden=[1.5, 1]), "mem_hidden"),
+    (dict(memory_weight=-0.5), "memory_weight"),
+])
+def test_greedy_errors_name_the_field(override, field):
+    args = dict(value=[1.0, 2.0], recompute_cost=[0.0, 0.0], mem_kv=[2, 2], mem_hidden=[1, 1],
+                hidden_ok=[True, False], capacity=3)
+    args.update(override)
+    with pytest.raises(ValueError, match=field):
+        greedy_select(**args)
+
+
+def test_urgency_rejects_nonpositive_slack():
+    with pytest.raises(ValueError, match="slack_s"):
+        urgency(0.0, [1.0], 0.0)
+
+
+def test_first_misfit_upgrade_alone_can_win_as_kv():
+    # Request 0: hidden (1 page, value 6, density 6), upgrade (2 pages, value 4, density 2).
+    # Request 1: KV, 1 page, value 3. Prefix = hidden0 + kv1 = 9 in 2 of 3 pages; the upgrade
+    # misfits and request 0 alone as KV (10 in 3 pages) is better.
+    sel = greedy_select([10.0, 3.0], [4.0, 0.0], [3, 1], [1, 1], [True, False], 3)
+    assert sel.chosen.tolist() == [True, False] and not sel.hidden.any()
+    assert sel.value == 10.0 and sel.pages == 3

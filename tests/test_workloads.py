@@ -1,0 +1,140 @@
+"""Request traces: documented length distributions, Gamma arrivals, reproducibility, JSONL round trip."""
+
+import math
+
+import numpy as np
+import pytest
+
+from apt_serve_ray.bench.workloads import (
+    WORKLOADS,
+    TraceRequest,
+    fill_token_ids,
+    load_trace,
+    make_random_trace,
+    make_trace,
+    save_trace,
+    with_rate,
+)
+
+
+def lengths(trace):
+    return (np.array([r.prompt_len for r in trace]), np.array([r.output_len for r in trace]))
+
+
+@pytest.mark.parametrize("workload", ["sharegpt", "longbench", "humaneval"])
+def test_sample_medians_match_the_documented_log_normals(workload):
+    spec = WORKLOADS[workload]
+    prompt, output = lengths(make_trace(workload, 5000, rate=1.0, seed=3))
+    # Clipping to max_model_len only cuts the upper tail, so medians keep their documented values.
+    assert np.median(prompt) == pytest.approx(spec.prompt.median, rel=0.06)
+    assert np.median(output) == pytest.approx(spec.output.median, rel=0.06)
+    log_output = np.log(output)
+    assert log_output.std() == pytest.approx(spec.output.sigma, rel=0.1)
+
+
+def test_sharegpt_has_a_long_tail_and_longbench_long_prompts():
+    prompt, output = lengths(make_trace("sharegpt", 5000, rate=1.0, seed=0))
+    assert prompt.mean() > 1.4 * np.median(prompt)
+    assert np.percentile(prompt, 99) > 1500
+    prompt, output = lengths(make_trace("longbench", 5000, rate=1.0, seed=0))
+    assert 900 < np.percentile(prompt, 5) and np.percentile(prompt, 50) > 1300
+    assert 40 < np.percentile(output, 5) and np.percentile(output, 95) < 180
+
+
+@pytest.mark.parametrize("workload", sorted(WORKLOADS))
+@pytest.mark.parametrize("max_model_len", [2048, 256])
+def test_lengths_fit_the_model(workload, max_model_len):
+    prompt, output = lengths(make_trace(workload, 2000, rate=1.0, max_model_len=max_model_len))
+    assert (prompt >= 1).all() and (output >= 1).all()
+    assert (prompt + output <= max_model_len).all()
+
+
+def test_random_workload_is_uniform_in_the_range_ratio_band():
+    prompt, output = lengths(make_random_trace(5000, rate=1.0, input_len=384, output_len=128, range_ratio=0.5))
+    assert prompt.min() >= 192 and prompt.max() <= 576
+    assert output.min() >= 64 and output.max() <= 192
+    assert prompt.mean() == pytest.approx(384, rel=0.02)
+    prompt, output = lengths(make_random_trace(10, rate=1.0, input_len=100, output_len=7))
+    assert (prompt == 100).all() and (output == 7).all()
+
+
+def test_same_seed_same_trace_other_seed_other_trace():
+    a = make_trace("sharegpt", 200, rate=2.0, cv=2.0, seed=7, vocab_size=1000)
+    assert a == make_trace("sharegpt", 200, rate=2.0, cv=2.0, seed=7, vocab_size=1000)
+    b = make_trace("sharegpt", 200, rate=2.0, cv=2.0, seed=8, vocab_size=1000)
+    assert lengths(a)[0].tolist() != lengths(b)[0].tolist()
+    assert [r.arrival_s for r in a] != [r.arrival_s for r in b]
+    assert a[0].prompt_token_ids != b[0].prompt_token_ids
+
+
+@pytest.mark.parametrize("cv", [1.0, 3.0])
+def test_gamma_gaps_have_the_requested_cv_and_rate(cv):
+    trace = make_trace("humaneval", 20_000, rate=4.0, cv=cv, seed=1)
+    arrivals = np.array([r.arrival_s for r in trace])
+    assert arrivals[0] == 0.0  # the first request is sent at once, as vllm bench serve does
+    gaps = np.diff(arrivals)
+    assert (gaps >= 0).all()
+    assert gaps.std() / gaps.mean() == pytest.approx(cv, rel=0.12)
+    assert (len(gaps) / arrivals[-1]) == pytest.approx(4.0, rel=0.05 * cv)
+
+
+def test_infinite_rate_sends_everything_at_once():
+    assert {r.arrival_s for r in make_trace("humaneval", 50, rate=math.inf)} == {0.0}
+
+
+def test_with_rate_retimes_the_same_requests_as_make_trace_would():
+    slow = make_trace("longbench", 100, rate=0.5, cv=2.0, seed=4)
+    fast = with_rate(slow, rate=2.0, cv=2.0, seed=4)
+    assert fast == make_trace("longbench", 100, rate=2.0, cv=2.0, seed=4)
+    assert lengths(fast)[0].tolist() == lengths(slow)[0].tolist()
+    assert fast[-1].arrival_s == pytest.approx(slow[-1].arrival_s / 4)
+
+
+def test_token_ids_have_exact_prompt_lengths_and_stay_in_range():
+    trace = make_trace("humaneval", 100, rate=1.0, vocab_size=500)
+    for r in trace:
+        assert len(r.prompt_token_ids) == r.prompt_len
+        assert 10 <= min(r.prompt_token_ids) and max(r.prompt_token_ids) < 490
+    assert make_trace("humaneval", 3, rate=1.0)[0].prompt_token_ids is None
+    assert fill_token_ids(trace, vocab_size=50_000) == trace  # ids already present are kept
+
+
+def test_jsonl_round_trip_is_exact(tmp_path):
+    trace = make_trace("sharegpt", 50, rate=3.3, cv=1.7, seed=2, vocab_size=2000)
+    trace.append(TraceRequest("custom", 1 / 3, 2, 5, [11, 12], ttft_slo_ms=250.5, tbt_slo_ms=50.0, priority=2))
+    path = tmp_path / "trace.jsonl"
+    save_trace(trace, path)
+    assert len(path.read_text().splitlines()) == len(trace)
+    assert load_trace(path) == trace
+
+
+def test_load_trace_names_the_bad_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"request_id": "a", "arrival_s": 0, "prompt_len": 1, "output_len": 1}\n{"nope": 1}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
+        load_trace(path)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(workload="alpaca"), "sharegpt"),
+    (dict(rate=0.0), "rate"),
+    (dict(rate=-1.0), "rate"),
+    (dict(cv=0.0), "cv"),
+    (dict(num_requests=0), "num_requests"),
+    (dict(max_model_len=1), "max_model_len"),
+    (dict(vocab_size=20), "vocab_size"),
+])
+def test_bad_arguments_name_the_field(kwargs, field):
+    args = dict(workload="sharegpt", num_requests=10, rate=1.0) | kwargs
+    with pytest.raises(ValueError, match=field):
+        make_trace(**args)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(range_ratio=1.0), "range_ratio"),
+    (dict(input_len=0), "input_len"),
+    (dict(output_len=0), "output_len"),
+])
+def test_bad_random_arguments_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        make_random_trace(10, 1.0, **kwargs)
