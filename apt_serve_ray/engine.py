@@ -229,7 +229,7 @@ class LLMEngine:
         metrics = RequestMetrics(
             request.arrival_time, request.first_scheduled_time, request.first_token_time, request.last_token_time,
             request.finish_time, list(request.token_times), request.num_preemptions, request.num_upgrades,
-            request.kind.value if request.kind else None,
+            request.last_kind.value if request.last_kind else None,
         )
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion], finished,
                              metrics, request.error)

@@ -72,6 +72,7 @@ class Request:
 
         # Cache state: owned by the cache manager, read by scheduler and runner.
         self.kind: CacheKind | None = None
+        self.last_kind: CacheKind | None = None  # kept after the pages are freed, for metrics
         self.page_ids: list[int] = []
 
         # Timestamps (time.monotonic seconds) for every latency metric.

