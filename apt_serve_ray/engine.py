@@ -21,6 +21,7 @@ from apt_serve_ray.model_runner import ModelRunner
 from apt_serve_ray.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from apt_serve_ray.request import CacheKind, Request, RequestStatus
 from apt_serve_ray.sampling_params import SamplingParams
+from apt_serve_ray.scheduler.output import ScheduledChunk
 from apt_serve_ray.scheduler.registry import make_policy
 from apt_serve_ray.scheduler.scheduler import Scheduler
 from apt_serve_ray.scheduler.watermarks import Watermarks
@@ -42,7 +43,7 @@ class LLMEngine:
         self.cache = CacheManager(PagePool(self.runner.num_pages), self.layout)
         self.hidden_allowed = self.layout.hidden_saves_memory or config.force_hidden
         self._log_cache_geometry()
-        self.scheduler = Scheduler(config, self.cache, None, self.hidden_allowed)
+        self.scheduler = Scheduler(config, self.cache, None, self.hidden_allowed, self.max_model_len)
         self.set_policy(make_policy(config.policy, config))
         self.watermarks = (
             Watermarks(config.light_watermark, config.heavy_watermark, config.max_hidden_ratio,
@@ -233,6 +234,19 @@ class LLMEngine:
         )
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion], finished,
                              metrics, request.error)
+
+    def prompt_logits(self, token_ids: list[int], kind: CacheKind = CacheKind.KV) -> torch.Tensor:
+        """Logits at every position of ``token_ids`` ([n, vocab], float32), computed through the paged
+        cache of the given kind; the pages are returned afterwards. Runs between steps only."""
+        request = self.make_request(list(token_ids), SamplingParams(max_tokens=1))
+        if kind is CacheKind.HIDDEN and not self.hidden_allowed:
+            raise ValueError("kind: the hidden cache kind is disabled for this model")
+        if not self.cache.allocate(request, request.num_tokens, kind):
+            raise ValueError(f"token_ids: {request.num_tokens} tokens do not fit in the free pages")
+        try:
+            return self.runner.logits_for_all_rows([ScheduledChunk(request, request.num_tokens)])
+        finally:
+            self.cache.free(request)
 
     # Knobs and stats ------------------------------------------------------------------------------
     def adjust_cache_ratio(self, ratio: float) -> None:

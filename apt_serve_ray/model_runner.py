@@ -93,6 +93,12 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
         return list(zip(sample_requests, self.sampler.sample(logits, sample_requests)))
 
+    @torch.inference_mode()
+    def logits_for_all_rows(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """Forward ``chunks`` and return the logits of every row (scoring and tests)."""
+        input_ids, positions, meta, _, _ = self._prepare(chunks)
+        return self.model.compute_logits(self.model.forward(input_ids, positions, meta)).float()
+
     def _prepare(self, chunks: list[ScheduledChunk]):
         ids: list[int] = []
         positions: list[int] = []

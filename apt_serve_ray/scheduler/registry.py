@@ -19,9 +19,12 @@ def make_policy(name: str, config, **options):
     _load_builtin()
     if name not in _POLICIES:
         raise ValueError(f"policy: unknown policy {name!r}; valid names: {sorted(_POLICIES)}")
-    return _POLICIES[name](config, **options)
+    try:
+        return _POLICIES[name](config=config, **options)
+    except TypeError as exc:  # an unknown option
+        raise ValueError(f"policy {name!r}: {exc}") from None
 
 
 def _load_builtin() -> None:
     # Imported lazily: the policies import the scheduler, which imports the config, which asks here.
-    from apt_serve_ray.scheduler.policies import fcfs, priority, sarathi  # noqa: F401
+    from apt_serve_ray.scheduler.policies import apt, fcfs, priority, sarathi  # noqa: F401

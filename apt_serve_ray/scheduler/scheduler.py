@@ -17,8 +17,10 @@ from apt_serve_ray.scheduler.output import ScheduledChunk, SchedulerOutput
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, cache: CacheManager, policy, hidden_allowed: bool) -> None:
+    def __init__(self, config: EngineConfig, cache: CacheManager, policy, hidden_allowed: bool,
+                 max_model_len: int) -> None:
         self.config = config
+        self.max_model_len = max_model_len
         self.cache = cache
         self.policy = policy
         self.hidden_allowed = hidden_allowed
@@ -73,6 +75,7 @@ class SchedulingContext:
         self._s = scheduler
         self.now = now
         self.config = scheduler.config
+        self.max_model_len = scheduler.max_model_len
         self.token_budget = scheduler.config.max_num_batched_tokens
         self._chunks: dict[str, ScheduledChunk] = {}
         self._upgrades = []
@@ -106,6 +109,10 @@ class SchedulingContext:
     @property
     def num_seqs_left(self) -> int:
         return self.config.max_num_seqs - len(self._chunks)
+
+    @property
+    def num_scheduled(self) -> int:
+        return len(self._chunks)
 
     @property
     def preempted_this_step(self) -> bool:

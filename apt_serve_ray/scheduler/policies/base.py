@@ -11,10 +11,13 @@ from apt_serve_ray.request import Request, RequestStatus
 class SchedulingPolicy(ABC):
     name: ClassVar[str]
 
-    def __init__(self, config, **options) -> None:
-        if options:
-            raise ValueError(f"policy {self.name!r}: unknown options {sorted(options)}")
+    def __init__(self, config=None) -> None:
         self.config = config
+
+    def bind(self, engine) -> None:
+        """Called when the engine installs the policy."""
+        if self.config is None:
+            self.config = engine.config
 
     @abstractmethod
     def schedule(self, ctx) -> None:

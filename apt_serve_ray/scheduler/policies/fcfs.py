@@ -13,7 +13,7 @@ class FCFSPolicy(SchedulingPolicy):
 
     def schedule(self, ctx) -> None:
         # Without chunking a prompt must fit one step, so the budget is at least the context length.
-        ctx.token_budget = max(ctx.token_budget, self.config.max_model_len or 0)
+        ctx.token_budget = max(ctx.token_budget, ctx.max_model_len)
         if ctx.waiting and admit_waiting(ctx, ctx.waiting, chunked=False):
             return
         run_running(ctx, ctx.running, victim_key=lambda r: r.arrival_time, chunked=False)

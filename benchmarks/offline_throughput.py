@@ -1,0 +1,342 @@
+"""Offline throughput: our engine vs transformers ``generate`` (static batching), same process.
+
+    python benchmarks/offline_throughput.py [--threads 1 2] [--quick] [--profile] [--json out.json]
+
+(from the repository root, with the package installed or ``PYTHONPATH=.``).
+
+Workload (issue 2): a random-weight OPT-125m-shape checkpoint in bfloat16, built once under
+``--cache-dir``; 64 requests of 256 random prompt token ids + 64 output tokens (ignore_eos, greedy).
+For every ``--threads`` value (``torch.set_num_threads``) it runs
+
+* our engine, driven with ``add_request`` / ``step()`` so every step is timed; the runner's model
+  forward, lm-head, input preparation and sampler are wrapped with timers on the instance (nothing
+  in the engine is edited), so each step splits into scheduler / prepare / forward / logits /
+  sampler / postprocess (token bookkeeping, detokenizer, outputs);
+* transformers ``generate`` in static batches of ``--hf-batch-size`` (left padding, same dtype,
+  greedy, ``min_new_tokens`` = ``max_new_tokens`` so EOS cannot end a row early).
+
+``overhead_share`` = share of the engine's summed step time spent outside the model's forward and
+lm-head (i.e. scheduler + prepare + sampler + postprocess). ``--profile`` adds a cProfile of one
+engine run (inclusive time of the components) and a torch.profiler op table of steady-state decode
+steps (where the forward itself spends its time: matmuls, paged gathers, cache writes, SDPA).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import functools
+import gc
+import json
+import os
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from apt_serve_ray import LLM, SamplingParams
+from apt_serve_ray.checkpoints import make_random_checkpoint
+
+_DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "apt-serve-ray"
+
+
+# Workload ----------------------------------------------------------------------------------------
+def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    # Skip the first ids: SmolLM2's tokenizer keeps its special tokens there.
+    return torch.randint(100, vocab, (num, length), generator=g).tolist()
+
+
+# Our engine --------------------------------------------------------------------------------------
+class _Timers:
+    """Wall time of chosen callables, accumulated per engine step."""
+
+    def __init__(self) -> None:
+        self.step: dict[str, float] = {}
+
+    def wrap(self, obj, name: str, key: str) -> None:
+        fn = getattr(obj, name)
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.step[key] = self.step.get(key, 0.0) + time.perf_counter() - t
+
+        setattr(obj, name, timed)  # instance attribute shadows the method; the class is untouched
+
+    def take(self) -> dict[str, float]:
+        out, self.step = self.step, {}
+        return out
+
+
+def build_engine(path: str, args, num_pages: int) -> tuple[LLM, _Timers]:
+    llm = LLM(path, dtype="bfloat16", max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, num_pages=num_pages, cache_ratio=0.0)
+    runner = llm.llm_engine.runner
+    timers = _Timers()
+    timers.wrap(runner, "_prepare", "prepare_s")
+    timers.wrap(runner.model, "forward", "forward_s")
+    timers.wrap(runner.model, "compute_logits", "logits_s")
+    timers.wrap(runner.sampler, "sample", "sample_s")
+    return llm, timers
+
+
+def run_engine(llm: LLM, timers: _Timers, prompts, output_len: int) -> dict:
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    gc.collect()
+    timers.take()
+    steps: list[dict] = []
+    num_out = 0
+    t0 = time.perf_counter()
+    for p in prompts:
+        engine.add_request(p, params)
+    while engine.has_unfinished_requests():
+        ts = time.perf_counter()
+        outs = engine.step()
+        wall = time.perf_counter() - ts
+        if not engine.last_step:
+            continue
+        rec = dict(engine.last_step, wall_s=wall, **timers.take())
+        steps.append(rec)
+        num_out += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
+    elapsed = time.perf_counter() - t0
+    if num_out != len(prompts) * output_len:
+        raise RuntimeError(f"engine produced {num_out} output tokens, expected {len(prompts) * output_len}")
+    return {"elapsed_s": elapsed, "output_tokens": num_out, "tok_s": num_out / elapsed,
+            "breakdown": breakdown(steps), "num_steps": len(steps)}
+
+
+_PARTS = ("schedule_s", "prepare_s", "forward_s", "logits_s", "sample_s", "execute_other_s", "postprocess_s")
+
+
+def _split(s: dict) -> dict:
+    model = s.get("forward_s", 0.0) + s.get("logits_s", 0.0)
+    parts = {k: s.get(k, 0.0) for k in ("schedule_s", "prepare_s", "forward_s", "logits_s", "sample_s")}
+    parts["execute_other_s"] = s["execute_s"] - model - parts["prepare_s"] - parts["sample_s"]
+    # total_s runs from the top of step() to the end of postprocessing; what is outside
+    # schedule + execute is watermark/pool upkeep and turning sampled tokens into outputs.
+    parts["postprocess_s"] = s["total_s"] - s["schedule_s"] - s["execute_s"]
+    parts["total_s"] = s["total_s"]
+    return parts
+
+
+def breakdown(steps: list[dict]) -> dict:
+    """Summed seconds per part for all, prefill-carrying and decode-only steps, plus shares."""
+    groups = {"all": steps,
+              "prefill": [s for s in steps if s["num_tokens"] > s["num_seqs"]],
+              "decode": [s for s in steps if s["num_tokens"] == s["num_seqs"]]}
+    out = {}
+    for name, group in groups.items():
+        if not group:
+            continue
+        parts = [_split(s) for s in group]
+        sums = {k: sum(p[k] for p in parts) for k in (*_PARTS, "total_s")}
+        total = sums["total_s"]
+        model = sums["forward_s"] + sums["logits_s"]
+        out[name] = {
+            "num_steps": len(group),
+            "seconds": sums,
+            "share": {k: sums[k] / total for k in _PARTS},
+            "overhead_share": (total - model) / total,
+            "median_step_ms": 1e3 * statistics.median(s["total_s"] for s in group),
+            "median_overhead_ms": 1e3 * statistics.median(p["total_s"] - p["forward_s"] - p["logits_s"] for p in parts),
+            "tokens": sum(s["num_tokens"] for s in group),
+        }
+    return out
+
+
+# transformers ------------------------------------------------------------------------------------
+def load_hf(path: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return model, tok
+
+
+@torch.inference_mode()
+def run_hf(model, tok, prompts, output_len: int, batch_size: int) -> dict:
+    gc.collect()
+    num_out = 0
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        batch = tok.pad({"input_ids": prompts[i : i + batch_size]}, padding=True, return_tensors="pt")
+        out = model.generate(**batch, max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
+                             pad_token_id=tok.pad_token_id)
+        num_out += (out.shape[1] - batch["input_ids"].shape[1]) * out.shape[0]
+    elapsed = time.perf_counter() - t0
+    return {"elapsed_s": elapsed, "output_tokens": num_out, "tok_s": num_out / elapsed, "batch_size": batch_size}
+
+
+# Profiling ---------------------------------------------------------------------------------------
+_COMPONENTS = {  # (file suffix, function name) -> label; inclusive (cumulative) time
+    ("engine.py", "step"): "engine.step (all)",
+    ("scheduler.py", "schedule"): "scheduler.schedule",
+    ("model_runner.py", "execute"): "runner.execute",
+    ("model_runner.py", "_prepare"): "  runner._prepare",
+    ("opt.py", "forward"): "  model.forward",
+    ("paged_attention.py", "paged_attention"): "    paged_attention (per layer)",
+    ("opt.py", "compute_logits"): "  model.compute_logits",
+    ("sampler.py", "sample"): "  sampler.sample",
+    ("engine.py", "_on_token"): "engine._on_token",
+    ("detokenizer.py", "add_token"): "  detokenizer.add_token",
+    ("engine.py", "_output"): "  engine._output",
+}
+
+
+def cprofile_engine(llm, timers, prompts, output_len: int) -> dict:
+    prof = cProfile.Profile()
+    prof.enable()
+    run_engine(llm, timers, prompts, output_len)
+    prof.disable()
+    stats = pstats.Stats(prof)
+    found = {}
+    for (file, _line, func), (_cc, _nc, _tt, ct, _callers) in stats.stats.items():
+        for (suffix, name), label in _COMPONENTS.items():
+            if func == name and file.endswith(suffix) and "apt_serve_ray" in file:
+                found[label] = found.get(label, 0.0) + ct
+    # The heaviest Python-level functions by own time (excluding torch ops), to spot hot loops.
+    own = sorted(((tt, f"{Path(file).name}:{func}") for (file, _l, func), (_cc, _nc, tt, _ct, _c) in stats.stats.items()
+                  if "apt_serve_ray" in file), reverse=True)[:12]
+    return {"inclusive_s": {label: found.get(label, 0.0) for label in _COMPONENTS.values()},
+            "top_own_s": [(name, tt) for tt, name in own]}
+
+
+def torch_profile_decode(llm, prompts, output_len: int, num_steps: int) -> list[tuple[str, float, int]]:
+    """Op table (self CPU ms, calls) of ``num_steps`` steady-state decode steps of a full batch."""
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, params)
+    while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
+        engine.step()
+    for _ in range(2):
+        engine.step()
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(num_steps):
+            engine.step()
+    for rid in list(engine.requests):
+        engine.abort_request(rid)
+    rows = [(e.key, e.self_cpu_time_total / 1e3 / num_steps, e.count // num_steps) for e in prof.key_averages()]
+    rows.sort(key=lambda r: -r[1])
+    return rows
+
+
+# Report ------------------------------------------------------------------------------------------
+def print_table(results: list[dict]) -> None:
+    print()
+    print(f"{'threads':>7} {'engine tok/s':>12} {'HF tok/s':>9} {'ratio':>6} {'overhead':>8} "
+          f"{'ovh decode':>10} {'decode step ms':>14} {'ovh/step ms':>11}")
+    for r in results:
+        b = r["engine"]["breakdown"]
+        dec = b.get("decode", b["all"])
+        print(f"{r['threads']:>7} {r['engine']['tok_s']:>12.1f} {r['hf']['tok_s']:>9.1f} {r['speedup']:>5.2f}x "
+              f"{b['all']['overhead_share']:>8.1%} {dec['overhead_share']:>10.1%} {dec['median_step_ms']:>14.1f} "
+              f"{dec['median_overhead_ms']:>11.2f}")
+    print()
+    print("engine step time by part (share of summed step time)")
+    print(f"{'threads':>7} {'steps':>9} " + " ".join(f"{k[:-2]:>13}" for k in _PARTS))
+    for r in results:
+        for group in ("all", "prefill", "decode"):
+            g = r["engine"]["breakdown"].get(group)
+            if g:
+                print(f"{r['threads']:>7} {group:>9} " + " ".join(f"{g['share'][k]:>13.1%}" for k in _PARTS))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cache-dir", type=Path, default=_DEFAULT_CACHE, help="where the random checkpoint is kept")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch threads; each value is measured")
+    ap.add_argument("--hf-batch-size", type=int, default=16)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--quick", action="store_true", help="32 requests (half the work)")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="cProfile + torch.profiler of the engine (last thread count)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.num_requests = min(args.num_requests, 32)
+
+    path = make_random_checkpoint(args.cache_dir / "opt-125m-bf16", "opt-125m", dtype="bfloat16")
+    # Enough pages that nobody is ever preempted: this measures throughput, not memory pressure.
+    block = 16
+    num_pages = args.num_requests * -(-(args.prompt_len + args.output_len) // block) + 16
+    llm, timers = build_engine(path, args, num_pages)
+    vocab = llm.llm_engine.vocab_size
+    prompts = make_prompts(args.num_requests, args.prompt_len, vocab, args.seed)
+    warm = make_prompts(4, 32, vocab, args.seed + 1)
+    hf = None if args.skip_hf else load_hf(path)
+
+    results = []
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        run_engine(llm, timers, warm, 4)  # warm-up: allocator, thread pool, kernels
+        eng = run_engine(llm, timers, prompts, args.output_len)
+        print(f"[threads={threads}] engine: {eng['output_tokens']} tokens in {eng['elapsed_s']:.1f} s "
+              f"= {eng['tok_s']:.1f} tok/s over {eng['num_steps']} steps", flush=True)
+        if hf is not None:
+            run_hf(*hf, warm, 4, args.hf_batch_size)
+            hfr = run_hf(*hf, prompts, args.output_len, args.hf_batch_size)
+            print(f"[threads={threads}] transformers: {hfr['output_tokens']} tokens in {hfr['elapsed_s']:.1f} s "
+                  f"= {hfr['tok_s']:.1f} tok/s (batch {args.hf_batch_size})", flush=True)
+        else:
+            hfr = {"tok_s": float("nan"), "elapsed_s": float("nan"), "output_tokens": 0, "batch_size": 0}
+        results.append({"threads": threads, "engine": eng, "hf": hfr, "speedup": eng["tok_s"] / hfr["tok_s"]})
+    print_table(results)
+    llm.llm_engine.cache.pool.check_integrity()
+
+    profile = None
+    if args.profile:
+        prof_prompts = prompts[: max(8, len(prompts) // 2)]
+        cp = cprofile_engine(llm, timers, prof_prompts, args.output_len)
+        print(f"\ncProfile of one engine run ({len(prof_prompts)} requests, threads={args.threads[-1]}); "
+              "inclusive seconds, inflated by profiling for Python-heavy parts")
+        for label, sec in cp["inclusive_s"].items():
+            print(f"  {label:<32} {sec:8.3f}")
+        print("  top own time in apt_serve_ray:")
+        for name, sec in cp["top_own_s"]:
+            print(f"    {name:<40} {sec:8.3f}")
+        ops = torch_profile_decode(llm, prompts, args.output_len, num_steps=5)
+        print(f"\ntorch.profiler: steady-state decode step, batch {len(prompts)}: self CPU ms per step")
+        for key, ms, calls in ops[:18]:
+            print(f"  {key:<40} {ms:8.2f}  x{calls}")
+        profile = {"cprofile": cp, "decode_ops_ms_per_step": ops[:30]}
+
+    if args.json is not None:
+        head = results[-1] if len(results) == 1 else max(results, key=lambda r: r["threads"])
+        doc = {
+            "engine_tok_s": head["engine"]["tok_s"], "hf_tok_s": head["hf"]["tok_s"],
+            "overhead_share": head["engine"]["breakdown"]["all"]["overhead_share"],
+            "threads": head["threads"],
+            "workload": {"num_requests": args.num_requests, "prompt_len": args.prompt_len,
+                         "output_len": args.output_len, "dtype": "bfloat16", "shape": "opt-125m",
+                         "hf_batch_size": args.hf_batch_size, "max_num_seqs": args.max_num_seqs,
+                         "max_num_batched_tokens": args.max_num_batched_tokens},
+            "by_threads": results, "profile": profile,
+            "torch": torch.__version__, "cpu_count": os.cpu_count(),
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=2, default=float))
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

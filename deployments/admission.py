@@ -1,0 +1,122 @@
+"""Admission order at the router: while the engines are saturated, requests wait here and are let
+through in the order of the adaptive score, not first-come-first-served.
+
+A request's score is the SPEC's generalised value per page of memory it will need::
+
+    value   = time_weight * waited_s + slo_weight * urgency + priority_weight * importance
+    density = value / pages ** memory_weight
+
+``urgency`` rises from 0 to 1 over the last ``slack_s`` seconds before the request's TTFT deadline;
+``importance`` is how many priority levels it is ahead of the least important waiting request
+(lower ``priority`` = more important, as in vLLM). Ties go to the earliest arrival.
+
+"Saturated" means this router already has ``max_in_flight`` requests on the engines (by default
+every replica's ``max_num_seqs``): more would only queue inside an engine, where the router could
+no longer choose the order. No Ray here, so it is tested without a cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from apt_serve_ray.scheduler.knapsack import compute_values, urgency
+
+
+@dataclass(frozen=True)
+class ScoreWeights:
+    time_weight: float = 1.0
+    memory_weight: float = 1.0
+    slo_weight: float = 1.0
+    priority_weight: float = 1.0
+
+
+@dataclass
+class Ticket:
+    """What the admission order needs to know about one request."""
+
+    num_pages: int
+    ttft_slo_s: float
+    priority: int = 0
+    arrival: float = field(default_factory=time.monotonic)
+
+    @property
+    def deadline(self) -> float:
+        return self.arrival + self.ttft_slo_s
+
+
+class QueueFull(Exception):
+    pass
+
+
+class AdmissionQueue:
+    def __init__(self, max_in_flight: int, max_queued: int, weights: ScoreWeights = ScoreWeights(),
+                 slack_s: float = 1.0) -> None:
+        if max_in_flight < 1 or max_queued < 0:
+            raise ValueError(f"max_in_flight must be >= 1 and max_queued >= 0, got {max_in_flight}, {max_queued}")
+        self.max_in_flight, self.max_queued = max_in_flight, max_queued
+        self.weights, self.slack_s = weights, slack_s
+        self.num_in_flight = 0
+        self._waiting: list[tuple[Ticket, asyncio.Future]] = []  # arrival order
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @contextlib.asynccontextmanager
+    async def slot(self, ticket: Ticket):
+        """Hold one in-flight slot for the body of the ``async with``; raises QueueFull at once when
+        the waiting line is full."""
+        await self.acquire(ticket)
+        try:
+            yield
+        finally:
+            self.release()
+
+    async def acquire(self, ticket: Ticket) -> None:
+        if self.num_in_flight < self.max_in_flight and not self._waiting:
+            self.num_in_flight += 1
+            return
+        if len(self._waiting) >= self.max_queued:
+            raise QueueFull(f"{len(self._waiting)} requests are already waiting for admission")
+        entry = (ticket, asyncio.get_running_loop().create_future())
+        self._waiting.append(entry)
+        try:
+            await entry[1]
+        except asyncio.CancelledError:
+            if entry in self._waiting:
+                self._waiting.remove(entry)
+            elif entry[1].done() and not entry[1].cancelled():
+                self.release()  # granted just before the caller went away: pass the slot on
+            raise
+
+    def release(self) -> None:
+        self.num_in_flight -= 1
+        self._grant()
+
+    def _grant(self) -> None:
+        while self._waiting and self.num_in_flight < self.max_in_flight:
+            best = int(np.argmax(self.scores()))  # argmax takes the first of equals: the earliest
+            _, future = self._waiting.pop(best)
+            if not future.done():
+                self.num_in_flight += 1
+                future.set_result(None)
+
+    def scores(self, now: float | None = None) -> np.ndarray:
+        """Density of every waiting request, in arrival order."""
+        now = time.monotonic() if now is None else now
+        tickets = [t for t, _ in self._waiting]
+        pages = np.array([max(1, t.num_pages) for t in tickets], dtype=np.int64)
+        waited = np.array([max(0.0, now - t.arrival) for t in tickets])
+        priority = np.array([t.priority for t in tickets], dtype=np.float64)
+        w = self.weights
+        value = compute_values(
+            waited, urgency(now, [t.deadline for t in tickets], self.slack_s), priority.max() - priority, pages,
+            time_weight=w.time_weight, slo_weight=w.slo_weight, priority_weight=w.priority_weight,
+            memory_weight=w.memory_weight,
+        )
+        return value / pages.astype(np.float64) ** w.memory_weight
