@@ -8,7 +8,8 @@ A request's score is the SPEC's generalised value per page of memory it will nee
 
 ``urgency`` rises from 0 to 1 over the last ``slack_s`` seconds before the request's TTFT deadline;
 ``importance`` is how many priority levels it is ahead of the least important waiting request
-(lower ``priority`` = more important, as in vLLM). Ties go to the earliest arrival.
+(lower ``priority`` = more important, as in vLLM). Ties go to the earliest arrival, and a request
+that has waited ``max_wait_s`` goes before every scored one, so a large request cannot starve.
 
 "Saturated" means this router already has ``max_in_flight`` requests on the engines (by default
 every replica's ``max_num_seqs``): more would only queue inside an engine, where the router could
@@ -55,11 +56,11 @@ class QueueFull(Exception):
 
 class AdmissionQueue:
     def __init__(self, max_in_flight: int, max_queued: int, weights: ScoreWeights = ScoreWeights(),
-                 slack_s: float = 1.0) -> None:
+                 slack_s: float = 1.0, max_wait_s: float = 30.0) -> None:
         if max_in_flight < 1 or max_queued < 0:
             raise ValueError(f"max_in_flight must be >= 1 and max_queued >= 0, got {max_in_flight}, {max_queued}")
         self.max_in_flight, self.max_queued = max_in_flight, max_queued
-        self.weights, self.slack_s = weights, slack_s
+        self.weights, self.slack_s, self.max_wait_s = weights, slack_s, max_wait_s
         self.num_in_flight = 0
         self._waiting: list[tuple[Ticket, asyncio.Future]] = []  # arrival order
 
@@ -100,7 +101,11 @@ class AdmissionQueue:
 
     def _grant(self) -> None:
         while self._waiting and self.num_in_flight < self.max_in_flight:
-            best = int(np.argmax(self.scores()))  # argmax takes the first of equals: the earliest
+            now = time.monotonic()
+            if now - self._waiting[0][0].arrival >= self.max_wait_s:
+                best = 0
+            else:
+                best = int(np.argmax(self.scores(now)))  # argmax takes the first of equals: the earliest
             _, future = self._waiting.pop(best)
             if not future.done():
                 self.num_in_flight += 1

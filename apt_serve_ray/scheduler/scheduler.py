@@ -129,7 +129,8 @@ class SchedulingContext:
 
     def default_kind(self) -> CacheKind:
         """Track the hidden target: hidden while the measured hidden share is below it."""
-        if self._s.hidden_allowed and self._s.cache_ratio > 0 and self._s.hidden_share() < self._s.cache_ratio:
+        ratio = self._s.cache_ratio
+        if self._s.hidden_allowed and ratio > 0 and (ratio >= 1.0 or self._s.hidden_share() < ratio):
             return CacheKind.HIDDEN
         return CacheKind.KV
 

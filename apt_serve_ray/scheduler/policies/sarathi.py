@@ -15,4 +15,8 @@ class SarathiPolicy(SchedulingPolicy):
         decodes_first = sorted(ctx.running, key=lambda r: not r.is_decoding)  # stable: keeps FCFS order
         run_running(ctx, decodes_first, victim_key=lambda r: r.arrival_time, chunked=True)
         if not ctx.preempted_this_step:
-            admit_waiting(ctx, ctx.waiting, chunked=True)
+            admit_waiting(ctx, ctx.waiting, chunked=True, kind_for=self.kind_for)
+
+    def kind_for(self, request):
+        """Cache kind for a newly admitted request; None tracks the hidden target."""
+        return None

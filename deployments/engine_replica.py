@@ -1,0 +1,138 @@
+"""EngineReplica: one ``AsyncLLMEngine`` per Serve replica (one per GPU, or per CPU slot).
+
+The engine's loop thread steps continuously; ``generate`` streams each new token back to the caller
+as a small dict (``handle.options(stream=True).generate.remote(request)``). The replica's load goes
+to the request router through ``record_routing_stats`` (Serve polls it) and to the cluster
+controller through a heartbeat whose reply carries the cluster's knobs: Serve has no way to call
+every replica of a deployment, so the replicas report in and the controller answers.
+
+Wire format of one streamed item (every key optional but ``text``/``token_ids``)::
+
+    {"text": "new text", "token_ids": [ids], "replica_id": "ab12" and "num_prompt_tokens": 7 (first item),
+     "finish_reason": "stop"|"length"|"abort"|"error", "stop_reason": ..., "num_output_tokens": 9,
+     "error": "message" (last item)}
+
+A request the engine refuses yields one ``{"invalid": "field: what is wrong"}`` item and ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import ray
+from ray import serve
+
+from apt_serve_ray import AsyncLLMEngine, EngineConfig, SamplingParams
+from apt_serve_ray.scheduler.registry import make_policy
+
+logger = logging.getLogger("ray.serve")
+
+
+@serve.deployment(max_ongoing_requests=256, health_check_period_s=5.0)
+class EngineReplica:
+    async def __init__(self, engine_config: EngineConfig, controller=None, policy_options: dict | None = None,
+                       report_interval_s: float = 0.5) -> None:
+        self.engine = AsyncLLMEngine(engine_config)
+        if policy_options:
+            config = self.engine.config
+            self.engine.engine.set_policy(make_policy(config.policy, config, **policy_options))
+        self.engine.start()
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
+        self.actor_name = ray.get_runtime_context().get_actor_name()
+        self.model = engine_config.model
+        self.num_requests = 0
+        self.num_aborted = 0  # callers that went away (disconnect, cancel) before the end
+        self._applied_ratio: float | None = None
+        self._controller = controller
+        self._report_interval_s = report_interval_s
+        self._reporter = asyncio.create_task(self._report_loop()) if controller is not None else None
+        logger.info("engine replica %s ready: model %s, %d pages", self.replica_id, self.model,
+                    self.engine.load()["num_pages"])
+
+    # Requests -------------------------------------------------------------------------------------
+    async def generate(self, request: dict):
+        """``request``: ``{"request_id", "prompt": str | [token ids], "sampling": SamplingParams kwargs,
+        "scheduling": {"priority", "ttft_slo_ms", "tbt_slo_ms"}}`` (plus routing hints the router reads)."""
+        try:
+            params = SamplingParams(**request.get("sampling", {}))
+        except (TypeError, ValueError) as exc:
+            yield {"invalid": str(exc)}
+            return
+        stream = self.engine.generate(request["prompt"], params, request.get("request_id"),
+                                      **request.get("scheduling", {}))
+        self.num_requests += 1
+        finished = False
+        async with contextlib.aclosing(stream):  # closing it aborts the request and frees its pages
+            try:
+                first = await anext(stream)
+            except ValueError as exc:
+                yield {"invalid": str(exc)}
+                return
+            try:
+                yield self._item(first, first=True)
+                finished = first.finished
+                async for out in stream:
+                    yield self._item(out)
+                    finished = out.finished
+            finally:
+                if not finished:
+                    self.num_aborted += 1
+
+    def _item(self, out, first: bool = False) -> dict:
+        c = out.outputs[0]
+        item = {"text": c.delta_text, "token_ids": c.delta_token_ids}
+        if first:
+            item["replica_id"] = self.replica_id
+            item["num_prompt_tokens"] = len(out.prompt_token_ids)
+        if out.finished:
+            item.update(finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                        num_output_tokens=len(c.token_ids), error=out.error)
+        return item
+
+    # Control --------------------------------------------------------------------------------------
+    def set_cache_ratio(self, ratio: float) -> None:
+        self.engine.set_cache_ratio(ratio)
+        self._applied_ratio = ratio
+
+    def set_admission(self, open_: bool) -> None:
+        self.engine.set_admission(open_)
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def check_health(self) -> None:
+        """Serve calls this periodically; raising marks the replica unhealthy and replaces it."""
+        self.engine.check_health()
+
+    def load(self) -> dict:
+        return {**self.engine.load(), "time": time.time(), "replica_id": self.replica_id,
+                "actor_name": self.actor_name, "model": self.model, "max_model_len": self.engine.max_model_len,
+                "max_num_seqs": self.engine.config.max_num_seqs, "num_requests": self.num_requests,
+                "num_aborted": self.num_aborted}
+
+    def record_routing_stats(self) -> dict:
+        return self.load()
+
+    # Heartbeat to the controller ------------------------------------------------------------------
+    async def _report_loop(self) -> None:
+        while True:
+            try:
+                knobs = await asyncio.wait_for(self._controller.report.remote(self.load()),
+                                               timeout=max(2.0, 4 * self._report_interval_s))
+                if knobs["cache_ratio"] != self._applied_ratio:
+                    self.set_cache_ratio(knobs["cache_ratio"])
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the controller may be restarting; keep serving
+                logger.warning("engine replica %s: controller report failed: %r", self.replica_id, exc)
+            await asyncio.sleep(self._report_interval_s)
+
+    def __del__(self) -> None:
+        if getattr(self, "_reporter", None) is not None:
+            self._reporter.cancel()
+        if getattr(self, "engine", None) is not None:
+            self.engine.shutdown()

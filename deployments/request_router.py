@@ -1,0 +1,87 @@
+"""FitAwareRequestRouter: Serve's request router for the engine replicas, choosing where a request fits.
+
+For each ``generate`` call it estimates the pages the request will hold (its prompt plus up to
+``output_horizon_tokens`` of output, in KV pages: the most it can need) and each replica's free pages:
+the replica's last ``record_routing_stats`` snapshot minus what this router has sent there since
+that snapshot was taken (Serve refreshes stats only every ``request_routing_stats_period_s``)::
+
+    est_free = stats.num_free_pages - sum(pages of requests routed here after stats.time, still running)
+
+Replicas where the request fits come first, least loaded after placement first, where load is the
+larger of page usage and the share of ``max_num_seqs`` taken; the rest follow by free pages. Each
+replica is its own rank, so Serve takes our first choice unless that replica's queue is full.
+Calls that are not ``generate`` (control, load) are left to Serve's usual choice.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from typing import List, Optional
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+
+def request_pages(request: dict, tokens_per_page: int, horizon: int) -> int:
+    """Pages a request will hold with a KV cache: prompt plus (capped) output."""
+    num_output = request.get("max_tokens") or horizon
+    return math.ceil((request["num_prompt_tokens"] + min(num_output, horizon)) / tokens_per_page)
+
+
+class FitAwareRequestRouter(RequestRouter):
+    def initialize_state(self, output_horizon_tokens: int = 256, default_tokens_per_page: int = 16) -> None:
+        self.horizon = output_horizon_tokens
+        self.default_tokens_per_page = default_tokens_per_page
+        # replica id -> {internal request id: (routed at, pages)}
+        self.routed: dict[ReplicaID, dict[str, tuple[float, int]]] = {}
+
+    async def choose_replicas(
+        self, candidate_replicas: List[RunningReplica], pending_request: Optional[PendingRequest] = None,
+    ) -> List[List[RunningReplica]]:
+        request = _generate_request(pending_request)
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True  # no busy loop when every queue is full
+        if request is None or not candidate_replicas:
+            return [candidate_replicas]
+        ranked = sorted(candidate_replicas, key=lambda r: self.rank_key(r, request))
+        return [[r] for r in ranked]
+
+    def rank_key(self, replica: RunningReplica, request: dict) -> tuple:
+        stats = replica.routing_stats or {}
+        queue_len = self.replica_queue_len_cache.get(replica.replica_id)
+        if "num_free_pages" not in stats:  # no snapshot yet (a new replica): neither preferred nor avoided
+            return (0, 0.5, queue_len or 0, random.random())
+        tokens_per_page = stats.get("tokens_per_page", {}).get("kv", self.default_tokens_per_page)
+        need = request_pages(request, tokens_per_page, self.horizon)
+        since = [pages for t, pages in self.routed.get(replica.replica_id, {}).values() if t > stats["time"]]
+        free = stats["num_free_pages"] - sum(pages for pages in since)
+        if need > free:
+            return (1, -free, queue_len or 0, random.random())
+        num_seqs = stats["num_running"] + stats["num_waiting"] + len(since)
+        load_after = max(1 - (free - need) / stats["num_pages"], (num_seqs + 1) / stats.get("max_num_seqs", 64))
+        return (0, round(load_after, 3), queue_len or 0, random.random())
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        request = _generate_request(pending_request)
+        if request is None:
+            return
+        replica = self.curr_replicas.get(replica_id)
+        stats = (replica.routing_stats or {}) if replica is not None else {}
+        tokens_per_page = stats.get("tokens_per_page", {}).get("kv", self.default_tokens_per_page)
+        self.routed.setdefault(replica_id, {})[pending_request.metadata.internal_request_id] = (
+            time.time(), request_pages(request, tokens_per_page, self.horizon))
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self.routed.get(replica_id, {}).pop(internal_request_id, None)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        self.routed.pop(replica_id, None)
+        super().on_replica_actor_died(replica_id)
+
+
+def _generate_request(pending_request: Optional[PendingRequest]) -> dict | None:
+    if pending_request is None or pending_request.metadata.call_method != "generate" or not pending_request.args:
+        return None
+    request = pending_request.args[0]
+    return request if isinstance(request, dict) and "num_prompt_tokens" in request else None
