@@ -9,9 +9,13 @@ decode and recompute after preemption are all the same thing seen from here.
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 
 from apt_serve_ray.sampling_params import SamplingParams
+
+
+_arrival_order = itertools.count()
 
 
 class CacheKind(str, enum.Enum):
@@ -48,6 +52,7 @@ class Request:
         priority: int = 0,
     ) -> None:
         self.request_id = request_id
+        self.seq = next(_arrival_order)  # breaks arrival-time ties in FCFS order
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params

@@ -178,6 +178,19 @@ def run_hf(model, tok, prompts, output_len: int, batch_size: int) -> dict:
     return {"elapsed_s": elapsed, "output_tokens": num_out, "tok_s": num_out / elapsed, "batch_size": batch_size}
 
 
+def contention_probe(threads: int) -> float:
+    """ms per small matmul ([8, 768] x [768, 3072] bf16) at ``threads``: on an idle machine ~0.2-0.3 ms;
+    tens of ms mean other processes hold the cores and the thread pool's barriers stall."""
+    torch.set_num_threads(threads)
+    a, w = torch.randn(8, 768, dtype=torch.bfloat16), torch.randn(3072, 768, dtype=torch.bfloat16)
+    for _ in range(5):
+        torch.nn.functional.linear(a, w)
+    t = time.perf_counter()
+    for _ in range(50):
+        torch.nn.functional.linear(a, w)
+    return (time.perf_counter() - t) / 50 * 1e3
+
+
 # Profiling ---------------------------------------------------------------------------------------
 _COMPONENTS = {  # (file suffix, function name) -> label; inclusive (cumulative) time
     ("engine.py", "step"): "engine.step (all)",
@@ -234,17 +247,40 @@ def torch_profile_decode(llm, prompts, output_len: int, num_steps: int) -> list[
     return rows
 
 
+_OP_GROUPS = (  # first match wins
+    ("matmul (linear layers, lm-head)", ("addmm", "aten::mm", "aten::linear")),
+    ("attention kernels (sdpa / bmm / softmax)", ("scaled_dot_product", "bmm", "softmax", "matmul", "baddbmm")),
+    ("paged gather (index / index_select)", ("aten::index", "index_select", "gather")),
+    ("cache write (index_put)", ("index_put",)),
+    ("copies / layout (copy_, contiguous, cat)", ("copy_", "contiguous", "aten::cat", "aten::stack", "clone", "aten::to")),
+    ("norms + elementwise", ("layer_norm", "add", "mul", "clamp", "relu", "embedding", "masked_fill", "where", "div")),
+    ("sampling (argmax / multinomial)", ("argmax", "multinomial", "exponential", "topk", "sort")),
+)
+
+
+def group_ops(rows: list[tuple[str, float, int]]) -> dict[str, float]:
+    groups: dict[str, float] = {}
+    for key, ms, _calls in rows:
+        label = next((g for g, keys in _OP_GROUPS if any(k in key for k in keys)), "other ops")
+        groups[label] = groups.get(label, 0.0) + ms
+    return dict(sorted(groups.items(), key=lambda kv: -kv[1]))
+
+
 # Report ------------------------------------------------------------------------------------------
 def print_table(results: list[dict]) -> None:
     print()
-    print(f"{'threads':>7} {'engine tok/s':>12} {'HF tok/s':>9} {'ratio':>6} {'overhead':>8} "
-          f"{'ovh decode':>10} {'decode step ms':>14} {'ovh/step ms':>11}")
+    print(f"{'threads':>7} {'engine tok/s':>12} {'HF tok/s':>9} {'ratio':>6} {'ceiling':>7} {'eng prefill s':>13} "
+          f"{'HF prefill s':>12} {'overhead':>8} {'ovh decode':>10} {'decode step ms':>14} {'ovh/step ms':>11}")
     for r in results:
         b = r["engine"]["breakdown"]
         dec = b.get("decode", b["all"])
         print(f"{r['threads']:>7} {r['engine']['tok_s']:>12.1f} {r['hf']['tok_s']:>9.1f} {r['speedup']:>5.2f}x "
+              f"{r['hf'].get('speedup_ceiling', float('nan')):>6.2f}x {r['engine']['prefill_s']:>13.1f} "
+              f"{r['hf'].get('prefill_s', float('nan')):>12.1f} "
               f"{b['all']['overhead_share']:>8.1%} {dec['overhead_share']:>10.1%} {dec['median_step_ms']:>14.1f} "
               f"{dec['median_overhead_ms']:>11.2f}")
+    print("ceiling = HF total / HF prefill-only: the most any engine can gain while its prefill is as fast as HF's;"
+          "\noverhead = share of step time outside model.forward + lm-head (ovh decode: decode-only steps)")
     print()
     print("engine step time by part (share of summed step time)")
     print(f"{'threads':>7} {'steps':>9} " + " ".join(f"{k[:-2]:>13}" for k in _PARTS))
@@ -267,6 +303,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--quick", action="store_true", help="32 requests (half the work)")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-hf-prefill", action="store_true", help="skip the HF prefill-only run (speed-up ceiling)")
     ap.add_argument("--profile", action="store_true", help="cProfile + torch.profiler of the engine (last thread count)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None)
@@ -286,7 +323,9 @@ def main(argv=None) -> int:
 
     results = []
     for threads in args.threads:
-        torch.set_num_threads(threads)
+        probe = contention_probe(threads)
+        load = os.getloadavg()[0]
+        print(f"[threads={threads}] contention probe {probe:.2f} ms/matmul, load average {load:.2f}", flush=True)
         run_engine(llm, timers, warm, 4)  # warm-up: allocator, thread pool, kernels
         eng = run_engine(llm, timers, prompts, args.output_len)
         print(f"[threads={threads}] engine: {eng['output_tokens']} tokens in {eng['elapsed_s']:.1f} s "
@@ -296,9 +335,18 @@ def main(argv=None) -> int:
             hfr = run_hf(*hf, prompts, args.output_len, args.hf_batch_size)
             print(f"[threads={threads}] transformers: {hfr['output_tokens']} tokens in {hfr['elapsed_s']:.1f} s "
                   f"= {hfr['tok_s']:.1f} tok/s (batch {args.hf_batch_size})", flush=True)
+            if not args.skip_hf_prefill:
+                # The same batches with one output token: HF's prefill cost. Any engine whose prefill is
+                # no faster than HF's (both are the same matmuls) is at most hf_elapsed / hf_prefill faster.
+                hfr["prefill_s"] = run_hf(*hf, prompts, 1, args.hf_batch_size)["elapsed_s"]
+                hfr["speedup_ceiling"] = hfr["elapsed_s"] / hfr["prefill_s"]
+                print(f"[threads={threads}] transformers prefill only: {hfr['prefill_s']:.1f} s "
+                      f"(speed-up ceiling at equal prefill speed: {hfr['speedup_ceiling']:.2f}x)", flush=True)
         else:
             hfr = {"tok_s": float("nan"), "elapsed_s": float("nan"), "output_tokens": 0, "batch_size": 0}
-        results.append({"threads": threads, "engine": eng, "hf": hfr, "speedup": eng["tok_s"] / hfr["tok_s"]})
+        eng["prefill_s"] = eng["breakdown"].get("prefill", {}).get("seconds", {}).get("total_s", 0.0)
+        results.append({"threads": threads, "engine": eng, "hf": hfr, "speedup": eng["tok_s"] / hfr["tok_s"],
+                        "contention_probe_ms": probe, "load_average": load})
     print_table(results)
     llm.llm_engine.cache.pool.check_integrity()
 
@@ -317,7 +365,12 @@ def main(argv=None) -> int:
         print(f"\ntorch.profiler: steady-state decode step, batch {len(prompts)}: self CPU ms per step")
         for key, ms, calls in ops[:18]:
             print(f"  {key:<40} {ms:8.2f}  x{calls}")
-        profile = {"cprofile": cp, "decode_ops_ms_per_step": ops[:30]}
+        grouped = group_ops(ops)
+        total = sum(grouped.values())
+        print("  grouped:")
+        for label, ms in grouped.items():
+            print(f"    {label:<44} {ms:8.2f} ms {ms / total:6.1%}")
+        profile = {"cprofile": cp, "decode_ops_ms_per_step": ops[:30], "decode_op_groups_ms": grouped}
 
     if args.json is not None:
         head = results[-1] if len(results) == 1 else max(results, key=lambda r: r["threads"])
@@ -325,6 +378,12 @@ def main(argv=None) -> int:
             "engine_tok_s": head["engine"]["tok_s"], "hf_tok_s": head["hf"]["tok_s"],
             "overhead_share": head["engine"]["breakdown"]["all"]["overhead_share"],
             "threads": head["threads"],
+            "by_threads_summary": {str(r["threads"]): {
+                "engine_tok_s": r["engine"]["tok_s"], "hf_tok_s": r["hf"]["tok_s"], "speedup": r["speedup"],
+                "overhead_share": r["engine"]["breakdown"]["all"]["overhead_share"],
+                "decode_overhead_share": r["engine"]["breakdown"].get("decode", {}).get("overhead_share"),
+                "hf_speedup_ceiling": r["hf"].get("speedup_ceiling"),
+                "contention_probe_ms": r["contention_probe_ms"]} for r in results},
             "workload": {"num_requests": args.num_requests, "prompt_len": args.prompt_len,
                          "output_len": args.output_len, "dtype": "bfloat16", "shape": "opt-125m",
                          "hf_batch_size": args.hf_batch_size, "max_num_seqs": args.max_num_seqs,

@@ -23,7 +23,8 @@ from apt_serve_ray.scheduler.watermarks import Watermarks
 logger = logging.getLogger("ray.serve")
 
 
-@serve.deployment(num_replicas=1, max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
+@serve.deployment(num_replicas=1, max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0},
+                  logging_config={"enable_access_log": False})  # heartbeats would flood the log
 class Controller:
     async def __init__(self, light_watermark: float = 0.7, heavy_watermark: float = 0.9,
                        max_hidden_ratio: float = 0.7, hidden_ratio_step: float = 0.1, base_cache_ratio: float = 0.0,

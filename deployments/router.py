@@ -59,6 +59,14 @@ class Prepared:
     ticket: Ticket
 
 
+async def _next(items) -> dict:
+    try:
+        return await anext(items)
+    except StopAsyncIteration:
+        raise oai.APIError("the engine stream ended without a final token", status=500, type="server_error") from None
+
+
+# Serve pickles the class when it is decorated: module-level helpers it uses must be defined above.
 @serve.deployment(max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
 @serve.ingress(api)
 class Router:
@@ -290,9 +298,3 @@ class Router:
             yield oai.chunk(rid, body.model, created, chat=chat, usage_=oai.usage(first["num_prompt_tokens"], num_output),
                             include_usage=True)
 
-
-async def _next(items) -> dict:
-    try:
-        return await anext(items)
-    except StopAsyncIteration:
-        raise oai.APIError("the engine stream ended without a final token", status=500, type="server_error") from None

@@ -62,6 +62,7 @@ class AdaptiveScheduler(SchedulingPolicy):
         self.rho = rho
         self.decode_first_prefill_share = decode_first_prefill_share
         self.last_decision: dict = {}
+        self._protected: set[str] = set()
 
     def bind(self, engine) -> None:
         """Called by the engine when the policy is installed: calibrate rho by timing, once."""
@@ -95,15 +96,19 @@ class AdaptiveScheduler(SchedulingPolicy):
         pending = np.fromiter((r.pending_time(now) for r in candidates), dtype=np.float64, count=len(candidates))
         deadline = np.fromiter((r.deadline() for r in candidates), dtype=np.float64, count=len(candidates))
         meetable = deadline >= now
-        forced = pending > self.max_wait_time
+        # Starvation bound: once a request has waited max_wait_time it is protected until it finishes:
+        # served first (oldest first), outside the knapsack, and never chosen as a victim.
+        self._protected &= {r.request_id for r in ctx.running} | {r.request_id for r in ctx.waiting}
+        self._protected |= {r.request_id for r, p in zip(candidates, pending) if p > self.max_wait_time}
+        forced = np.fromiter((r.request_id in self._protected for r in candidates), dtype=bool, count=len(candidates))
         value = self._values(candidates, pending, deadline, meetable, now)
         u = int(meetable.sum())
         recompute_cost = u * (self.rho or 0.0) * mem_kv
 
         held = sum(len(r.page_ids) for r in running)
         capacity = ctx.num_free_pages + held
-        # Starvation bound: the forced ones take their KV memory first, then the knapsack runs on the rest.
-        forced_idx = [i for i in np.argsort(-pending, kind="stable") if forced[i]]
+        # The protected take their KV memory first, then the knapsack runs on the rest.
+        forced_idx = sorted(np.flatnonzero(forced).tolist(), key=lambda i: candidates[i].arrival_time)
         capacity -= int(mem_kv[forced_idx].sum()) if forced_idx else 0
         rest = np.flatnonzero(~forced)
         sel = greedy_select(value[rest], recompute_cost[rest], mem_kv[rest], mem_hidden[rest], hidden_ok[rest],
@@ -142,7 +147,8 @@ class AdaptiveScheduler(SchedulingPolicy):
             # Liveness: page estimates can be off by rounding; never let a step schedule nothing
             # while requests hold memory. Fall back to preempting the lowest-value running request.
             lowest = {id(candidates[i]): density[i] for i in range(n_run)}
-            run_running(ctx, ctx.running, victim_key=lambda r: -lowest.get(id(r), 0.0), chunked=True)
+            key = lambda r: (r.request_id not in self._protected, -lowest.get(id(r), 0.0))  # noqa: E731
+            run_running(ctx, sorted(ctx.running, key=key), victim_key=key, chunked=True)
 
     def _values(self, candidates: list[Request], pending, deadline, meetable, now) -> np.ndarray:
         effective = np.where(meetable, pending, self.fairness_penalty * pending)

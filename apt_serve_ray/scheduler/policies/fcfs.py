@@ -16,4 +16,4 @@ class FCFSPolicy(SchedulingPolicy):
         ctx.token_budget = max(ctx.token_budget, ctx.max_model_len)
         if ctx.waiting and admit_waiting(ctx, ctx.waiting, chunked=False):
             return
-        run_running(ctx, ctx.running, victim_key=lambda r: r.arrival_time, chunked=False)
+        run_running(ctx, ctx.running, victim_key=lambda r: (r.arrival_time, r.seq), chunked=False)

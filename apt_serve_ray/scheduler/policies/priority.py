@@ -8,7 +8,7 @@ from apt_serve_ray.scheduler.registry import register_policy
 
 
 def _rank(request):
-    return (request.priority, request.arrival_time)
+    return (request.priority, request.arrival_time, request.seq)
 
 
 @register_policy

@@ -13,7 +13,7 @@ class SarathiPolicy(SchedulingPolicy):
 
     def schedule(self, ctx) -> None:
         decodes_first = sorted(ctx.running, key=lambda r: not r.is_decoding)  # stable: keeps FCFS order
-        run_running(ctx, decodes_first, victim_key=lambda r: r.arrival_time, chunked=True)
+        run_running(ctx, decodes_first, victim_key=lambda r: (r.arrival_time, r.seq), chunked=True)
         if not ctx.preempted_this_step:
             admit_waiting(ctx, ctx.waiting, chunked=True, kind_for=self.kind_for)
 

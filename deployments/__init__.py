@@ -1,0 +1,10 @@
+"""The Ray Serve application: thin deployments over the ``apt_serve_ray`` engine.
+
+- ``app.py``             the app builder and its validated arguments (``AppArgs``)
+- ``router.py``          the HTTP ingress (OpenAI API) and Python handle API
+- ``openai_protocol.py`` OpenAI request models, error bodies, responses and stream chunks
+- ``admission.py``       score-ordered admission while the engines are saturated
+- ``request_router.py``  Serve's request router for the engine replicas: where a request fits
+- ``engine_replica.py``  one engine per replica: token streaming, load, control calls
+- ``controller.py``      the cluster-wide memory watermarks (hidden-cache ratio, admission)
+"""
