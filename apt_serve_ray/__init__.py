@@ -7,6 +7,7 @@ from apt_serve_ray.async_engine import AsyncLLMEngine
 from apt_serve_ray.config import EngineConfig
 from apt_serve_ray.engine import LLMEngine
 from apt_serve_ray.llm import LLM, HybridCacheLLM
+from apt_serve_ray.observability.tracker import CacheTracker
 from apt_serve_ray.outputs import CompletionOutput, RequestOutput
 from apt_serve_ray.sampling_params import SamplingParams
 
@@ -14,5 +15,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LLM", "HybridCacheLLM", "SamplingParams", "RequestOutput", "CompletionOutput",
-    "EngineConfig", "LLMEngine", "AsyncLLMEngine",
+    "EngineConfig", "LLMEngine", "AsyncLLMEngine", "CacheTracker",
 ]

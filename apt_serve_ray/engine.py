@@ -18,6 +18,7 @@ from apt_serve_ray.config import EngineConfig
 from apt_serve_ray.detokenizer import IncrementalDetokenizer
 from apt_serve_ray.model_loader import load_tokenizer, resolve_model
 from apt_serve_ray.model_runner import ModelRunner
+from apt_serve_ray.observability.observer import EngineObserver, RequestEvent, RequestLogger
 from apt_serve_ray.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from apt_serve_ray.request import CacheKind, Request, RequestStatus
 from apt_serve_ray.sampling_params import SamplingParams
@@ -56,6 +57,18 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.last_step: dict[str, float] = {}
         self.num_steps = 0
+        self._observers: list[EngineObserver] = [RequestLogger()]
+
+    def add_observer(self, observer: EngineObserver) -> None:
+        self._observers.append(observer)
+
+    def remove_observer(self, observer: EngineObserver) -> None:
+        if observer in self._observers:
+            self._observers.remove(observer)
+
+    def _emit(self, request: Request, event: RequestEvent, now: float, **attrs) -> None:
+        for observer in self._observers:
+            observer.on_request_event(request, event, now, attrs)
 
     # Set-up ---------------------------------------------------------------------------------------
     def _log_cache_geometry(self) -> None:
@@ -87,7 +100,7 @@ class LLMEngine:
     def make_request(
         self, prompt: str | list[int], sampling_params: SamplingParams | None = None, request_id: str | None = None,
         *, arrival_time: float | None = None, ttft_slo_ms: float | None = None, tbt_slo_ms: float | None = None,
-        priority: int | None = None,
+        priority: int | None = None, trace_context: dict[str, str] | None = None,
     ) -> Request:
         """Validate and tokenise; raises ValueError naming the bad field. Does not touch engine state."""
         params = sampling_params if sampling_params is not None else SamplingParams()
@@ -120,6 +133,7 @@ class LLMEngine:
             ttft_slo_ms=ttft_slo_ms or self.config.default_ttft_slo_ms,
             tbt_slo_ms=tbt_slo_ms or self.config.default_tbt_slo_ms,
             priority=self.config.default_priority if priority is None else priority,
+            trace_context=trace_context,
         )
 
     def add_request(self, prompt, sampling_params=None, request_id=None, **kwargs) -> Request:
@@ -132,6 +146,7 @@ class LLMEngine:
         )
         self.requests[request.request_id] = request
         self.scheduler.add_request(request)
+        self._emit(request, RequestEvent.QUEUED, time.monotonic())
         return request
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -155,10 +170,13 @@ class LLMEngine:
                 self.scheduler.pressure_admit = decision.admit
         if self.monitor_callback is not None:
             self.monitor_callback(usage)
-        out = self.scheduler.schedule()
+        sched_now = time.monotonic()
+        out = self.scheduler.schedule(sched_now)
         if out.is_empty:
             self.last_step = {}
             return []
+        if len(self._observers) > 1 or out.preempted:
+            self._emit_schedule_events(out, sched_now)
         t1 = time.perf_counter()
         try:
             results = self.runner.execute(out)
@@ -178,15 +196,33 @@ class LLMEngine:
         outputs = [self._on_token(request, sampled, now) for request, sampled in results]
         self.num_steps += 1
         t3 = time.perf_counter()
+        pool = self.cache.pool
         self.last_step = {
             "schedule_s": out.schedule_time_s, "execute_s": t2 - t1, "total_s": t3 - t0,
             "num_tokens": out.num_batched_tokens, "num_seqs": len(out.chunks), "num_preempted": len(out.preempted),
+            "preempt_causes": out.preempt_causes, "num_upgrades": len(out.upgrades),
+            "pages_kv": pool.num_used(CacheKind.KV), "pages_hidden": pool.num_used(CacheKind.HIDDEN),
+            "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
         }
+        for observer in self._observers:
+            observer.on_step(self, self.last_step, now)
         return outputs
+
+    def _emit_schedule_events(self, out, now: float) -> None:
+        for chunk in out.chunks:
+            if chunk.request.first_scheduled_time == now:
+                self._emit(chunk.request, RequestEvent.SCHEDULED, now, num_tokens=chunk.num_tokens)
+        for request, cause in zip(out.preempted, out.preempt_causes):
+            self._emit(request, RequestEvent.PREEMPTED, now, cause=cause)
+        for plan in out.upgrades:
+            if plan.request_id in self.requests:
+                self._emit(self.requests[plan.request_id], RequestEvent.UPGRADED, now, num_tokens=plan.num_tokens)
 
     def _on_token(self, request: Request, sampled, now: float) -> RequestOutput:
         token = sampled.token_id
         request.append_output_token(token, now)
+        if request.num_output_tokens == 1:
+            self._emit(request, RequestEvent.FIRST_TOKEN, now)
         if sampled.logprob is not None:
             request.cumulative_logprob += sampled.logprob
             request.output_logprobs.append(sampled.top_logprobs)
@@ -211,6 +247,7 @@ class LLMEngine:
         self.scheduler.finish(request, status)
         request.finish_time = time.monotonic()
         self.runner.sampler.forget(request.request_id)
+        self._emit(request, RequestEvent.FINISHED, request.finish_time, outcome=status.value)
         output = self._output(request)
         self.requests.pop(request.request_id, None)
         self._detokenizers.pop(request.request_id, None)

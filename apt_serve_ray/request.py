@@ -50,6 +50,7 @@ class Request:
         ttft_slo_ms: float,
         tbt_slo_ms: float,
         priority: int = 0,
+        trace_context: dict[str, str] | None = None,
     ) -> None:
         self.request_id = request_id
         self.seq = next(_arrival_order)  # breaks arrival-time ties in FCFS order
@@ -60,6 +61,7 @@ class Request:
         self.ttft_slo_ms = ttft_slo_ms
         self.tbt_slo_ms = tbt_slo_ms
         self.priority = priority
+        self.trace_context = trace_context  # the caller's tracing context (W3C carrier), if any
         max_new = max_total_tokens - len(self.prompt_token_ids)
         if sampling_params.max_tokens is not None:
             max_new = min(max_new, sampling_params.max_tokens)

@@ -25,6 +25,7 @@ class SchedulerOutput:
     upgrades: list[UpgradePlan] = field(default_factory=list)  # run before the forward pass
     preempted: list[Request] = field(default_factory=list)
     schedule_time_s: float = 0.0
+    preempt_causes: list[str] = field(default_factory=list)  # parallel to ``preempted``
 
     @property
     def num_batched_tokens(self) -> int:

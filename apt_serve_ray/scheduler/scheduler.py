@@ -80,6 +80,7 @@ class SchedulingContext:
         self._chunks: dict[str, ScheduledChunk] = {}
         self._upgrades = []
         self._preempted: list[Request] = []
+        self._causes: list[str] = []
 
     # Read-only views
     @property
@@ -162,9 +163,10 @@ class SchedulingContext:
         self.token_budget -= num_tokens
         return True
 
-    def preempt(self, request: Request) -> None:
+    def preempt(self, request: Request, cause: str = "memory") -> None:
         """Free all pages of a running request and requeue it at the front; its generated tokens are
-        kept and recomputed on resume."""
+        kept and recomputed on resume. ``cause``: "memory" (it or another running request could not
+        grow) or "policy" (displaced so that a more valuable waiting request gets its pages)."""
         chunk = self._chunks.pop(request.request_id, None)
         if chunk is not None:
             self.token_budget += chunk.num_tokens
@@ -176,6 +178,7 @@ class SchedulingContext:
         self._s.num_preemptions += 1
         self._s.waiting.appendleft(request)
         self._preempted.append(request)
+        self._causes.append(cause)
 
     def upgrade(self, request: Request) -> bool:
         """Hidden -> KV in place for a running request (before it is scheduled this step)."""
@@ -188,4 +191,5 @@ class SchedulingContext:
         return True
 
     def output(self) -> SchedulerOutput:
-        return SchedulerOutput(list(self._chunks.values()), list(self._upgrades), list(self._preempted))
+        return SchedulerOutput(list(self._chunks.values()), list(self._upgrades), list(self._preempted),
+                               preempt_causes=list(self._causes))

@@ -184,6 +184,6 @@ class AdaptiveScheduler(SchedulingPolicy):
                 if victim is None or ctx.cache.can_allocate(r, r.num_computed_tokens + n, kind):
                     break
                 victims.remove(victim)
-                ctx.preempt(candidates[victim])
+                ctx.preempt(candidates[victim], cause="policy" if i >= n_run else "memory")
             else:
                 budget -= n

@@ -1,0 +1,119 @@
+"""The engine's metrics, named ``apt_serve_*`` and tagged by model and replica.
+
+Definitions only: they record into a backend with ``ray.util.metrics``' shape (``counter``,
+``histogram``, ``gauge`` factories whose objects have ``inc`` / ``observe`` / ``set`` with ``tags``).
+``InMemoryMetrics`` serves tests and offline runs; the Ray Serve replica plugs in Ray's.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from apt_serve_ray.observability.observer import EngineObserver, RequestEvent, request_record
+
+LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
+FAST_BUCKETS = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25]
+
+
+class InMemoryMetrics:
+    """A metrics backend that keeps every value: ``values[name][tags] -> float | list``."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, dict[tuple, object]] = defaultdict(dict)
+
+    def _key(self, tags):
+        return tuple(sorted((tags or {}).items()))
+
+    def counter(self, name, description="", tag_keys=()):
+        backend = self
+
+        class _Counter:
+            def inc(self, value=1.0, tags=None):
+                d = backend.values[name]
+                d[backend._key(tags)] = d.get(backend._key(tags), 0.0) + value
+
+        return _Counter()
+
+    def histogram(self, name, description="", boundaries=(), tag_keys=()):
+        backend = self
+
+        class _Histogram:
+            def observe(self, value, tags=None):
+                backend.values[name].setdefault(backend._key(tags), []).append(value)
+
+        return _Histogram()
+
+    def gauge(self, name, description="", tag_keys=()):
+        backend = self
+
+        class _Gauge:
+            def set(self, value, tags=None):
+                backend.values[name][backend._key(tags)] = value
+
+        return _Gauge()
+
+    def get(self, name, **tags):
+        return self.values.get(name, {}).get(self._key(tags))
+
+
+class EngineMetrics(EngineObserver):
+    def __init__(self, backend, model: str, replica: str) -> None:
+        self.base = {"model": model, "replica": replica}
+        b, t = backend, ("model", "replica")
+        self.requests = b.counter("apt_serve_requests_total", "Finished requests by outcome", t + ("outcome",))
+        self.ttft = b.histogram("apt_serve_engine_ttft_seconds", "Time to first token inside the engine "
+                                "(engine arrival -> first token)", LATENCY_BUCKETS, t)
+        self.tpot = b.histogram("apt_serve_time_per_output_token_seconds", "Per request: (e2e - ttft) / (tokens - 1)",
+                                LATENCY_BUCKETS, t)
+        self.gap = b.histogram("apt_serve_inter_token_gap_seconds", "Every gap between consecutive tokens",
+                               LATENCY_BUCKETS, t)
+        self.e2e = b.histogram("apt_serve_e2e_latency_seconds", "Engine arrival -> finish", LATENCY_BUCKETS, t)
+        self.queue = b.histogram("apt_serve_queue_time_seconds", "Engine arrival -> first scheduled", LATENCY_BUCKETS, t)
+        self.slo = b.counter("apt_serve_slo_total", "Finished requests by SLO result (met / missed_ttft / missed_tbt)",
+                             t + ("result",))
+        self.preemptions = b.counter("apt_serve_preemptions_total", "Preemptions by cause", t + ("cause",))
+        self.upgrades = b.counter("apt_serve_upgrades_total", "Hidden -> KV in-place upgrades", t)
+        self.waiting = b.gauge("apt_serve_requests_waiting", "Requests waiting", t)
+        self.running = b.gauge("apt_serve_requests_running", "Requests running", t)
+        self.pages = b.gauge("apt_serve_cache_pages", "Cache pages by kind (kv, hidden, free)", t + ("kind",))
+        self.target = b.gauge("apt_serve_hidden_target_ratio", "Target share of hidden pages", t)
+        self.share = b.gauge("apt_serve_hidden_share", "Measured share of hidden pages among used pages", t)
+        self.usage = b.gauge("apt_serve_cache_usage", "Share of pages in use", t)
+        self.sched = b.histogram("apt_serve_scheduler_seconds", "Scheduler time per iteration", FAST_BUCKETS, t)
+        self.step = b.histogram("apt_serve_step_seconds", "Engine step time (schedule + forward + postprocess)",
+                                LATENCY_BUCKETS, t)
+
+    def _tags(self, **extra):
+        return {**self.base, **extra}
+
+    def on_request_event(self, request, event, now, attrs) -> None:
+        if event is RequestEvent.PREEMPTED:
+            self.preemptions.inc(1, self._tags(cause=attrs.get("cause", "memory")))
+        elif event is RequestEvent.UPGRADED:
+            self.upgrades.inc(1, self._tags())
+        elif event is RequestEvent.FINISHED:
+            rec = request_record(request)
+            tags = self._tags()
+            self.requests.inc(1, self._tags(outcome=rec["outcome"]))
+            for key, hist in (("ttft_s", self.ttft), ("tpot_s", self.tpot), ("e2e_s", self.e2e), ("queue_s", self.queue)):
+                if rec[key] is not None:
+                    hist.observe(rec[key], tags)
+            for gap in rec["gaps_s"]:
+                self.gap.observe(gap, tags)
+            if rec["outcome"] in ("stop", "length"):
+                result = "met" if rec["met_ttft"] and rec["met_tbt"] else "missed_ttft" if not rec["met_ttft"] else "missed_tbt"
+                self.slo.inc(1, self._tags(result=result))
+
+    def on_step(self, engine, stats, now) -> None:
+        tags = self._tags()
+        pool = engine.cache.pool
+        self.waiting.set(stats["num_waiting"], tags)
+        self.running.set(stats["num_running"], tags)
+        self.pages.set(stats["pages_kv"], self._tags(kind="kv"))
+        self.pages.set(stats["pages_hidden"], self._tags(kind="hidden"))
+        self.pages.set(pool.num_free_pages, self._tags(kind="free"))
+        self.target.set(engine.scheduler.cache_ratio, tags)
+        self.share.set(engine.scheduler.hidden_share(), tags)
+        self.usage.set(pool.usage(), tags)
+        self.sched.observe(stats["schedule_s"], tags)
+        self.step.observe(stats["total_s"], tags)

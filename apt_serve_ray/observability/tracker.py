@@ -1,0 +1,89 @@
+"""``CacheTracker(llm)``: the cache-memory timeline by kind, target ratio, usage and watermark crossings."""
+
+from __future__ import annotations
+
+import time
+
+from apt_serve_ray.observability.observer import EngineObserver
+
+
+class CacheTracker(EngineObserver):
+    """Records one sample per engine step (at most one per ``min_interval_s``)."""
+
+    def __init__(self, llm, *, min_interval_s: float = 0.0, max_samples: int = 200_000) -> None:
+        self.engine = getattr(llm, "llm_engine", llm)
+        cfg = self.engine.config
+        self.light, self.heavy = cfg.light_watermark, cfg.heavy_watermark
+        self.min_interval_s = min_interval_s
+        self.max_samples = max_samples
+        self.start = time.monotonic()
+        self.samples: list[dict] = []
+        self.crossings: list[dict] = []  # {"t", "watermark": "light"|"heavy", "direction": "up"|"down"}
+        self._last_t = -1e9
+        self.engine.add_observer(self)
+
+    def detach(self) -> None:
+        self.engine.remove_observer(self)
+
+    def on_step(self, engine, stats, now) -> None:
+        if now - self._last_t < self.min_interval_s or len(self.samples) >= self.max_samples:
+            return
+        self._last_t = now
+        pool = engine.cache.pool
+        usage = pool.usage()
+        sample = {
+            "t": now - self.start, "kv": stats["pages_kv"], "hidden": stats["pages_hidden"],
+            "free": pool.num_free_pages, "num_pages": pool.num_pages, "usage": usage,
+            "cache_ratio": engine.scheduler.cache_ratio, "hidden_share": engine.scheduler.hidden_share(),
+            "admit": engine.scheduler.admission_open and engine.scheduler.pressure_admit,
+            "running": stats["num_running"], "waiting": stats["num_waiting"],
+        }
+        if self.samples:
+            prev = self.samples[-1]["usage"]
+            for name, level in (("light", self.light), ("heavy", self.heavy)):
+                if prev <= level < usage:
+                    self.crossings.append({"t": sample["t"], "watermark": name, "direction": "up"})
+                elif usage <= level < prev:
+                    self.crossings.append({"t": sample["t"], "watermark": name, "direction": "down"})
+        self.samples.append(sample)
+
+    def series(self) -> dict[str, list]:
+        keys = self.samples[0].keys() if self.samples else ()
+        return {k: [s[k] for s in self.samples] for k in keys}
+
+    def plot_memory_timeline(self, path, title: str | None = None) -> str:
+        """Stacked pages by kind, usage and hidden target over time, watermarks and their crossings."""
+        return plot_memory_timeline(self.series(), self.crossings, path, light=self.light, heavy=self.heavy,
+                                    title=title or "cache memory by kind")
+
+
+def plot_memory_timeline(series: dict, crossings: list[dict], path, *, light: float, heavy: float, title: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True, height_ratios=[2, 1])
+    t = series.get("t", [])
+    if t:
+        ax.stackplot(t, series["kv"], series["hidden"], labels=["KV pages", "hidden pages"],
+                     colors=["#4c72b0", "#dd8452"], step="post")
+        ax.axhline(series["num_pages"][0], color="black", lw=0.8, ls=":", label="pool")
+        ax2.plot(t, series["usage"], color="black", lw=1.2, label="usage", drawstyle="steps-post")
+        ax2.plot(t, series["cache_ratio"], color="#dd8452", lw=1.2, label="hidden target", drawstyle="steps-post")
+        ax2.plot(t, series["hidden_share"], color="#dd8452", lw=0.8, ls="--", label="hidden share", drawstyle="steps-post")
+    ax2.axhline(light, color="#c44e52", lw=0.8, ls="--", label=f"light {light}")
+    ax2.axhline(heavy, color="#c44e52", lw=1.2, ls="-", label=f"heavy {heavy}")
+    for c in crossings:
+        ax2.axvline(c["t"], color="#c44e52", alpha=0.25, lw=0.8)
+    ax.set_ylabel("pages")
+    ax.set_title(title)
+    ax.legend(loc="upper left", fontsize=8)
+    ax2.set_ylim(0, 1.05)
+    ax2.set_ylabel("share")
+    ax2.set_xlabel("time (s)")
+    ax2.legend(loc="upper left", fontsize=7, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
