@@ -18,6 +18,8 @@ SHAPES = {
     "opt-tiny": ("opt", 64, 2, 4, 4, 128),
     "llama-tiny": ("llama", 64, 2, 4, 4, 128),  # MHA Llama: covers RoPE on the hidden path
     "llama-tiny-gqa": ("llama", 64, 2, 4, 2, 128),
+    "opt-tiny-h32": ("opt", 64, 2, 2, 2, 128),  # head_dim 32: the smallest the fused kernel takes
+    "llama-tiny-h32": ("llama", 64, 2, 2, 2, 128),
     "opt-125m": ("opt", 768, 12, 12, 12, 3072),
 }
 

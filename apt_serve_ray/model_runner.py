@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import os
 
 import torch
 
@@ -22,6 +24,10 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEFAULT_CPU_CACHE_BYTES = 512 * 1024 * 1024
+
+
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -61,6 +67,10 @@ class ModelRunner:
         self.num_pages = self._num_pages()
         self.storage = CacheStorage(self.layout, self.num_pages, self.device, self.dtype)
         self.sampler = Sampler(config.seed)
+        # The fused Triton hidden-decode kernel runs on CUDA; APT_HIDDEN_KERNEL=1 forces it (with
+        # TRITON_INTERPRET=1 on CPU, for tests), =0 disables it.
+        forced = os.environ.get("APT_HIDDEN_KERNEL")
+        self.use_hidden_kernel = forced == "1" or (forced is None and self.device.type == "cuda" and _has_triton())
 
     def _num_pages(self) -> int:
         if self.config.num_pages is not None:
@@ -132,7 +142,8 @@ class ModelRunner:
                 sample_rows.append(row + n - 1)
                 sample_requests.append(r)
             row += n
-        meta = AttentionMetadata(storage=self.storage, num_tokens=row, prefills=prefills)
+        meta = AttentionMetadata(storage=self.storage, num_tokens=row, prefills=prefills,
+                                 use_hidden_kernel=self.use_hidden_kernel)
         meta.kv_write = self._slot_write(*writes[CacheKind.KV])
         meta.hidden_write = self._slot_write(*writes[CacheKind.HIDDEN])
         meta.decode_kv = self._decode_group(decodes[CacheKind.KV], self.layout.tokens_per_page(CacheKind.KV))
@@ -161,7 +172,8 @@ class ModelRunner:
         pages = table[:, pos // tokens_per_page]  # padding slots read page 0 and are masked out
         offsets = (pos % tokens_per_page).expand(len(entries), length)
         mask = (pos[None, :] < ctx[:, None])[:, None, None, :]
-        return DecodeGroup(self._to(rows), self._to(pages), self._to(offsets), self._to(pos), self._to(mask))
+        return DecodeGroup(self._to(rows), self._to(pages), self._to(offsets), self._to(pos), self._to(mask),
+                           self._to(table.to(torch.int32)), self._to(ctx.to(torch.int32)))
 
     def _upgrade(self, plan: UpgradePlan) -> None:
         """Project K/V of every stored x into the new KV pages, layer by layer."""

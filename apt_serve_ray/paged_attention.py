@@ -42,6 +42,8 @@ class DecodeGroup:
     offsets: torch.Tensor  # [B, L]
     positions: torch.Tensor  # [L]
     mask: torch.Tensor  # [B, 1, 1, L] True = attend
+    block_table: torch.Tensor | None = None  # [B, max pages] int32, for the fused kernel
+    ctx_lens: torch.Tensor | None = None  # [B] int32
 
 
 @dataclass
@@ -58,6 +60,7 @@ class PrefillChunk:
 class AttentionMetadata:
     storage: CacheStorage
     num_tokens: int
+    use_hidden_kernel: bool = False  # fused Triton hidden decode (CUDA, or forced for tests)
     kv_write: SlotWrite | None = None
     hidden_write: SlotWrite | None = None
     decode_kv: DecodeGroup | None = None
@@ -74,6 +77,7 @@ def paged_attention(
     project_kv: KVProjector,
     meta: AttentionMetadata,
     scale: float,
+    hidden_params: tuple | None = None,  # (w_kv, b_kv, cos, sin) for the fused kernel
 ) -> torch.Tensor:
     kv_cache = meta.storage.kv[layer]
     hidden_cache = meta.storage.hidden[layer]
@@ -92,7 +96,14 @@ def paged_attention(
         keys, values = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
         o = F.scaled_dot_product_attention(q[g.rows].unsqueeze(2), keys, values, attn_mask=g.mask, scale=scale, enable_gqa=gqa)
         out[g.rows] = o.squeeze(2)
-    if meta.decode_hidden is not None:
+    if meta.decode_hidden is not None and meta.use_hidden_kernel and hidden_params is not None:
+        from apt_serve_ray.kernels.hidden_attention import hidden_decode_attention
+
+        g = meta.decode_hidden
+        w_kv, b_kv, cos, sin = hidden_params
+        out[g.rows] = hidden_decode_attention(q[g.rows].contiguous(), hidden_cache, g.block_table, g.ctx_lens,
+                                              w_kv, b_kv, cos, sin, k.shape[1], scale)
+    elif meta.decode_hidden is not None:
         g = meta.decode_hidden
         keys, values = project_kv(hidden_cache[g.pages, g.offsets], g.positions)  # [B, L, KVH, D]
         o = F.scaled_dot_product_attention(

@@ -67,12 +67,17 @@ class LlamaModel(DecoderModel):
             q = self.rotary.apply(q, positions)
             k = self.rotary.apply(k, positions)
             project = lambda xs, pos, i=i: self.project_kv(i, xs, pos)  # noqa: E731
-            a = paged_attention(i, q, k, v, x, project, meta, self.scale)
+            a = paged_attention(i, q, k, v, x, project, meta, self.scale, self._hidden_params(i))
             h = h + F.linear(a.reshape(n, -1), layer.w_o, layer.b_o)
             x = self._rms_norm(h, layer.post_norm)
             gate, up = F.linear(x, layer.w_gate_up).chunk(2, dim=-1)
             h = h + F.linear(F.silu(gate) * up, layer.w_down)
         return self._rms_norm(h, self.norm)
+
+    def _hidden_params(self, layer: int):
+        lay = self.layers[layer]
+        b = None if lay.b_qkv is None else lay.b_qkv[self.q_dim :]
+        return lay.w_qkv[self.q_dim :], b, self.rotary.cos, self.rotary.sin
 
     def compute_logits(self, hidden):
         return F.linear(hidden, self.lm_head)

@@ -68,7 +68,8 @@ class OPTModel(DecoderModel):
             qkv = F.linear(x, layer.w_qkv, layer.b_qkv).view(n, 3, s.num_heads, s.head_dim)
             q, k, v = qkv.unbind(1)
             project = lambda xs, pos, i=i: self.project_kv(i, xs, pos)  # noqa: E731
-            a = paged_attention(i, q, k, v, x, project, meta, self.scale)
+            hidden_params = (layer.w_qkv[self.dim :], None if layer.b_qkv is None else layer.b_qkv[self.dim :], None, None)
+            a = paged_attention(i, q, k, v, x, project, meta, self.scale, hidden_params)
             h = h + F.linear(a.reshape(n, -1), layer.w_o, layer.b_o)
             if not self.pre_norm:
                 h = self._norm(h, layer.attn_norm)

@@ -1,0 +1,1 @@
+"""GPU kernels (Triton), each beside its PyTorch reference."""

@@ -1,0 +1,37 @@
+"""Run by tests/test_kernels.py in a subprocess with TRITON_INTERPRET=1 set before triton is imported."""
+
+import sys
+
+import torch
+
+from apt_serve_ray.kernels.hidden_attention import hidden_decode_attention, hidden_decode_attention_reference
+
+
+def case(heads, kv_heads, rope, bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    dim, hid, tpp, pages = 32, 64, 8, 24
+    lens = torch.tensor([5, 17, 33], dtype=torch.int32)
+    batch = len(lens)
+    pool = torch.randn(pages, 2 * tpp * hid, generator=g)  # page stride larger than the hidden view
+    hidden = pool[:, : tpp * hid].view(pages, tpp, hid)
+    perm = torch.randperm(pages, generator=g).to(torch.int32)
+    table = perm[: batch * 5].view(batch, 5).contiguous()
+    q = torch.randn(batch, heads, dim, generator=g)
+    w = torch.randn(2 * kv_heads * dim, hid, generator=g) * 0.1
+    b = torch.randn(2 * kv_heads * dim, generator=g) * 0.1 if bias else None
+    cos = sin = None
+    if rope:
+        inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+        f = torch.arange(64).float()[:, None] * inv[None, :]
+        emb = torch.cat((f, f), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+    args = (q, hidden, table, lens, w, b, cos, sin, kv_heads, dim**-0.5)
+    ref = hidden_decode_attention_reference(*args)
+    out = hidden_decode_attention(*args)
+    err = (out - ref).abs().max().item()
+    print(f"heads={heads} kv={kv_heads} rope={rope} bias={bias}: max err {err:.2e}")
+    return err
+
+
+errors = [case(4, 4, False, True, 0), case(4, 2, True, False, 1), case(2, 2, True, True, 2)]
+sys.exit(0 if max(errors) < 1e-4 else 1)
