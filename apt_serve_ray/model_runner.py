@@ -144,23 +144,26 @@ class ModelRunner:
             row += n
         meta = AttentionMetadata(storage=self.storage, num_tokens=row, prefills=prefills,
                                  use_hidden_kernel=self.use_hidden_kernel)
-        meta.kv_write = self._slot_write(*writes[CacheKind.KV])
-        meta.hidden_write = self._slot_write(*writes[CacheKind.HIDDEN])
-        meta.decode_kv = self._decode_group(decodes[CacheKind.KV], self.layout.tokens_per_page(CacheKind.KV))
-        meta.decode_hidden = self._decode_group(decodes[CacheKind.HIDDEN], self.layout.tokens_per_page(CacheKind.HIDDEN))
+        meta.kv_write = self._slot_write(*writes[CacheKind.KV], self.layout.tokens_per_page(CacheKind.KV))
+        meta.hidden_write = self._slot_write(*writes[CacheKind.HIDDEN], self.layout.tokens_per_page(CacheKind.HIDDEN))
+        meta.decode_kv = self._decode_group(decodes[CacheKind.KV], CacheKind.KV)
+        meta.decode_hidden = self._decode_group(decodes[CacheKind.HIDDEN], CacheKind.HIDDEN)
         return self._to(torch.tensor(ids)), self._to(torch.tensor(positions)), meta, sample_rows, sample_requests
 
     def _to(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device, non_blocking=True)
 
-    def _slot_write(self, rows, pages, offsets) -> SlotWrite | None:
+    def _slot_write(self, rows, pages, offsets, tokens_per_page: int) -> SlotWrite | None:
         if not rows:
             return None
-        return SlotWrite(self._to(torch.cat(rows)), self._to(torch.cat(pages)), self._to(torch.cat(offsets)))
+        pages, offsets = torch.cat(pages), torch.cat(offsets)
+        return SlotWrite(self._to(torch.cat(rows)), self._to(pages), self._to(offsets),
+                         self._to(pages * tokens_per_page + offsets))
 
-    def _decode_group(self, entries, tokens_per_page: int) -> DecodeGroup | None:
+    def _decode_group(self, entries, kind: CacheKind) -> DecodeGroup | None:
         if not entries:
             return None
+        tokens_per_page = self.layout.tokens_per_page(kind)
         rows = torch.tensor([e[0] for e in entries])
         ctx = torch.tensor([e[1] for e in entries])
         max_pages = max(len(e[2]) for e in entries)
@@ -172,8 +175,18 @@ class ModelRunner:
         pages = table[:, pos // tokens_per_page]  # padding slots read page 0 and are masked out
         offsets = (pos % tokens_per_page).expand(len(entries), length)
         mask = (pos[None, :] < ctx[:, None])[:, None, None, :]
+        add_mask = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
+        slots = pages * tokens_per_page + offsets  # [B, L]
+        kv_index = None
+        if kind is CacheKind.KV:
+            # Rows of head_dim elements: ((slot * 2 + k_or_v) * kv_heads + head), laid out [2, B, KVH, L].
+            kvh = self.layout.num_kv_heads
+            kv_index = (slots.view(1, len(entries), 1, length) * (2 * kvh)
+                        + torch.arange(2).view(2, 1, 1, 1) * kvh + torch.arange(kvh).view(1, 1, kvh, 1)).flatten()
         return DecodeGroup(self._to(rows), self._to(pages), self._to(offsets), self._to(pos), self._to(mask),
-                           self._to(table.to(torch.int32)), self._to(ctx.to(torch.int32)))
+                           self._to(table.to(torch.int32)), self._to(ctx.to(torch.int32)),
+                           self._to(slots.flatten()), self._to(add_mask),
+                           None if kv_index is None else self._to(kv_index))
 
     def _upgrade(self, plan: UpgradePlan) -> None:
         """Project K/V of every stored x into the new KV pages, layer by layer."""

@@ -31,6 +31,7 @@ class SlotWrite:
     rows: torch.Tensor  # rows of this step's flat token batch
     pages: torch.Tensor
     offsets: torch.Tensor
+    slots: torch.Tensor  # page * tokens_per_page + offset
 
 
 @dataclass
@@ -44,6 +45,9 @@ class DecodeGroup:
     mask: torch.Tensor  # [B, 1, 1, L] True = attend
     block_table: torch.Tensor | None = None  # [B, max pages] int32, for the fused kernel
     ctx_lens: torch.Tensor | None = None  # [B] int32
+    slots: torch.Tensor | None = None  # [B * L] page * tokens_per_page + offset
+    add_mask: torch.Tensor | None = None  # [B, 1, 1, L] float32: 0 = attend, -inf = padding
+    kv_index: torch.Tensor | None = None  # KV only: rows of ``kv_head_rows`` in [2, B, KVH, L] order
 
 
 @dataclass
@@ -79,23 +83,31 @@ def paged_attention(
     scale: float,
     hidden_params: tuple | None = None,  # (w_kv, b_kv, cos, sin) for the fused kernel
 ) -> torch.Tensor:
-    kv_cache = meta.storage.kv[layer]
-    hidden_cache = meta.storage.hidden[layer]
+    storage = meta.storage
+    kv_cache = storage.kv[layer]
+    hidden_cache = storage.hidden[layer]
     gqa = q.shape[1] != k.shape[1]
     if meta.kv_write is not None:
         w = meta.kv_write
-        kv_cache[w.pages, w.offsets] = torch.stack((k[w.rows], v[w.rows]), dim=1)
+        kv_new = torch.stack((k[w.rows], v[w.rows]), dim=1).flatten(1)
+        storage.kv_token_rows[layer].index_copy_(0, w.slots, kv_new)
     if meta.hidden_write is not None:
         w = meta.hidden_write
-        hidden_cache[w.pages, w.offsets] = x[w.rows]
+        if storage.hidden_rows is not None:
+            storage.hidden_rows[layer].index_copy_(0, w.slots, x[w.rows])
+        else:
+            hidden_cache[w.pages, w.offsets] = x[w.rows]
 
     out = torch.empty_like(q)
     if meta.decode_kv is not None:
         g = meta.decode_kv
-        kv = kv_cache[g.pages, g.offsets]  # [B, L, 2, KVH, D]
-        keys, values = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
-        o = F.scaled_dot_product_attention(q[g.rows].unsqueeze(2), keys, values, attn_mask=g.mask, scale=scale, enable_gqa=gqa)
-        out[g.rows] = o.squeeze(2)
+        batch, length = g.pages.shape
+        kvh, dim = k.shape[1], k.shape[2]
+        # One gather of head_dim rows straight into contiguous [2, B, KVH, L, D].
+        kv = torch.index_select(storage.kv_head_rows[layer], 0, g.kv_index,
+                                out=storage.workspace("decode_kv", (g.kv_index.numel(), dim), kv_cache.dtype))
+        kv = kv.view(2, batch, kvh, length, dim)
+        out[g.rows] = _decode_attend(q[g.rows], kv[0], kv[1], g.add_mask, scale)
     if meta.decode_hidden is not None and meta.use_hidden_kernel and hidden_params is not None:
         from apt_serve_ray.kernels.hidden_attention import hidden_decode_attention
 
@@ -105,11 +117,20 @@ def paged_attention(
                                               w_kv, b_kv, cos, sin, k.shape[1], scale)
     elif meta.decode_hidden is not None:
         g = meta.decode_hidden
-        keys, values = project_kv(hidden_cache[g.pages, g.offsets], g.positions)  # [B, L, KVH, D]
-        o = F.scaled_dot_product_attention(
-            q[g.rows].unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=g.mask, scale=scale, enable_gqa=gqa
-        )
-        out[g.rows] = o.squeeze(2)
+        batch, length = g.pages.shape
+        if storage.hidden_rows is not None:
+            hid = hidden_cache.shape[-1]
+            xs = torch.index_select(storage.hidden_rows[layer], 0, g.slots,
+                                    out=storage.workspace("decode_x", (g.slots.numel(), hid), hidden_cache.dtype))
+            xs = xs.view(batch, length, hid)
+        else:
+            xs = hidden_cache[g.pages, g.offsets]
+        keys, values = project_kv(xs, g.positions)  # [B, L, KVH, D]
+        kvh, dim = keys.shape[-2:]
+        kv = storage.workspace("decode_hidden_kv", (2, batch, kvh, length, dim), keys.dtype)
+        kv[0].copy_(keys.transpose(1, 2))
+        kv[1].copy_(values.transpose(1, 2))
+        out[g.rows] = _decode_attend(q[g.rows], kv[0], kv[1], g.add_mask, scale)
     for c in meta.prefills:
         s, e = c.row_start, c.row_start + c.num_tokens
         qc = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
@@ -131,6 +152,17 @@ def paged_attention(
         )
         out[s:e] = o[0].transpose(0, 1)
     return out
+
+
+def _decode_attend(q, keys, values, add_mask, scale: float) -> torch.Tensor:
+    """One query token per request over contiguous K/V [B, KVH, L, D]; query heads grouped per KV
+    head, so grouped-query attention needs no repeated K/V. Plain batched matmuls: on CPU they beat
+    the fused SDPA kernel several times for single-token queries."""
+    batch, heads, dim = q.shape
+    kvh = keys.shape[1]
+    qg = q.view(batch, kvh, heads // kvh, dim)
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).float().mul_(scale).add_(add_mask)  # [B, KVH, G, L]
+    return torch.matmul(scores.softmax(-1).to(values.dtype), values).view(batch, heads, dim)
 
 
 def _chunk_mask(c: PrefillChunk, device) -> torch.Tensor:

@@ -58,7 +58,10 @@ class _Timers:
         self.step: dict[str, float] = {}
 
     def wrap(self, obj, name: str, key: str) -> None:
-        fn = getattr(obj, name)
+        fn = getattr(obj, name, None)
+        if fn is None:  # the engine moved on; that part then counts as "other"
+            print(f"note: {type(obj).__name__}.{name} not found; not timed separately", file=sys.stderr)
+            return
 
         @functools.wraps(fn)
         def timed(*args, **kwargs):
@@ -94,7 +97,7 @@ def run_engine(llm: LLM, timers: _Timers, prompts, output_len: int) -> dict:
     timers.take()
     steps: list[dict] = []
     num_out = 0
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for p in prompts:
         engine.add_request(p, params)
     while engine.has_unfinished_requests():
@@ -106,11 +109,11 @@ def run_engine(llm: LLM, timers: _Timers, prompts, output_len: int) -> dict:
         rec = dict(engine.last_step, wall_s=wall, **timers.take())
         steps.append(rec)
         num_out += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     if num_out != len(prompts) * output_len:
         raise RuntimeError(f"engine produced {num_out} output tokens, expected {len(prompts) * output_len}")
-    return {"elapsed_s": elapsed, "output_tokens": num_out, "tok_s": num_out / elapsed,
-            "breakdown": breakdown(steps), "num_steps": len(steps)}
+    return {"elapsed_s": elapsed, "cpu_s": cpu, "output_tokens": num_out, "tok_s": num_out / elapsed,
+            "tok_per_cpu_s": num_out / cpu, "breakdown": breakdown(steps), "num_steps": len(steps)}
 
 
 _PARTS = ("schedule_s", "prepare_s", "forward_s", "logits_s", "sample_s", "execute_other_s", "postprocess_s")
@@ -168,14 +171,15 @@ def load_hf(path: str):
 def run_hf(model, tok, prompts, output_len: int, batch_size: int) -> dict:
     gc.collect()
     num_out = 0
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for i in range(0, len(prompts), batch_size):
         batch = tok.pad({"input_ids": prompts[i : i + batch_size]}, padding=True, return_tensors="pt")
         out = model.generate(**batch, max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
                              pad_token_id=tok.pad_token_id)
         num_out += (out.shape[1] - batch["input_ids"].shape[1]) * out.shape[0]
-    elapsed = time.perf_counter() - t0
-    return {"elapsed_s": elapsed, "output_tokens": num_out, "tok_s": num_out / elapsed, "batch_size": batch_size}
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {"elapsed_s": elapsed, "cpu_s": cpu, "output_tokens": num_out, "tok_s": num_out / elapsed,
+            "tok_per_cpu_s": num_out / cpu, "batch_size": batch_size}
 
 
 def contention_probe(threads: int) -> float:
@@ -225,10 +229,11 @@ def cprofile_engine(llm, timers, prompts, output_len: int) -> dict:
             "top_own_s": [(name, tt) for tt, name in own]}
 
 
-def torch_profile_decode(llm, prompts, output_len: int, num_steps: int) -> list[tuple[str, float, int]]:
+def torch_profile_decode(llm, prompts, num_steps: int) -> list[tuple[str, float, int]]:
     """Op table (self CPU ms, calls) of ``num_steps`` steady-state decode steps of a full batch."""
     engine = llm.llm_engine
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    # Long enough that no request finishes inside the profiled window.
+    params = SamplingParams(max_tokens=num_steps + 4, temperature=0.0, ignore_eos=True)
     for p in prompts:
         engine.add_request(p, params)
     while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
@@ -252,7 +257,8 @@ _OP_GROUPS = (  # first match wins
     ("attention kernels (sdpa / bmm / softmax)", ("scaled_dot_product", "bmm", "softmax", "matmul", "baddbmm")),
     ("paged gather (index / index_select)", ("aten::index", "index_select", "gather")),
     ("cache write (index_put)", ("index_put",)),
-    ("copies / layout (copy_, contiguous, cat)", ("copy_", "contiguous", "aten::cat", "aten::stack", "clone", "aten::to")),
+    ("copies / layout (copy_, contiguous, cat)",
+     ("copy_", "contiguous", "aten::cat", "aten::stack", "clone", "aten::to")),
     ("norms + elementwise", ("layer_norm", "add", "mul", "clamp", "relu", "embedding", "masked_fill", "where", "div")),
     ("sampling (argmax / multinomial)", ("argmax", "multinomial", "exponential", "topk", "sort")),
 )
@@ -269,16 +275,20 @@ def group_ops(rows: list[tuple[str, float, int]]) -> dict[str, float]:
 # Report ------------------------------------------------------------------------------------------
 def print_table(results: list[dict]) -> None:
     print()
-    print(f"{'threads':>7} {'engine tok/s':>12} {'HF tok/s':>9} {'ratio':>6} {'ceiling':>7} {'eng prefill s':>13} "
-          f"{'HF prefill s':>12} {'overhead':>8} {'ovh decode':>10} {'decode step ms':>14} {'ovh/step ms':>11}")
+    print(f"{'threads':>7} {'engine tok/s':>12} {'HF tok/s':>9} {'ratio':>6} {'cpu ratio':>9} {'ceiling':>7} "
+          f"{'eng prefill s':>13} {'HF prefill s':>12} {'overhead':>8} {'ovh decode':>10} {'decode step ms':>14} "
+          f"{'ovh/step ms':>11}")
     for r in results:
         b = r["engine"]["breakdown"]
         dec = b.get("decode", b["all"])
+        cpu_ratio = r["engine"]["tok_per_cpu_s"] / r["hf"].get("tok_per_cpu_s", float("nan"))
         print(f"{r['threads']:>7} {r['engine']['tok_s']:>12.1f} {r['hf']['tok_s']:>9.1f} {r['speedup']:>5.2f}x "
-              f"{r['hf'].get('speedup_ceiling', float('nan')):>6.2f}x {r['engine']['prefill_s']:>13.1f} "
-              f"{r['hf'].get('prefill_s', float('nan')):>12.1f} "
+              f"{cpu_ratio:>8.2f}x {r['hf'].get('speedup_ceiling', float('nan')):>6.2f}x "
+              f"{r['engine']['prefill_s']:>13.1f} {r['hf'].get('prefill_s', float('nan')):>12.1f} "
               f"{b['all']['overhead_share']:>8.1%} {dec['overhead_share']:>10.1%} {dec['median_step_ms']:>14.1f} "
               f"{dec['median_overhead_ms']:>11.2f}")
+    print("cpu ratio = the same ratio in output tokens per CPU-second of this process (steadier than wall time\n"
+          "when other processes share the cores; with 2 threads it also counts spin-waiting threads);")
     print("ceiling = HF total / HF prefill-only: the most any engine can gain while its prefill is as fast as HF's;"
           "\noverhead = share of step time outside model.forward + lm-head (ovh decode: decode-only steps)")
     print()
@@ -304,7 +314,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="32 requests (half the work)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-hf-prefill", action="store_true", help="skip the HF prefill-only run (speed-up ceiling)")
-    ap.add_argument("--profile", action="store_true", help="cProfile + torch.profiler of the engine (last thread count)")
+    ap.add_argument("--profile", action="store_true",
+                    help="cProfile + torch.profiler of the engine (at the last thread count)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -343,7 +354,8 @@ def main(argv=None) -> int:
                 print(f"[threads={threads}] transformers prefill only: {hfr['prefill_s']:.1f} s "
                       f"(speed-up ceiling at equal prefill speed: {hfr['speedup_ceiling']:.2f}x)", flush=True)
         else:
-            hfr = {"tok_s": float("nan"), "elapsed_s": float("nan"), "output_tokens": 0, "batch_size": 0}
+            hfr = {"tok_s": float("nan"), "elapsed_s": float("nan"), "output_tokens": 0, "batch_size": 0,
+                   "tok_per_cpu_s": float("nan")}
         eng["prefill_s"] = eng["breakdown"].get("prefill", {}).get("seconds", {}).get("total_s", 0.0)
         results.append({"threads": threads, "engine": eng, "hf": hfr, "speedup": eng["tok_s"] / hfr["tok_s"],
                         "contention_probe_ms": probe, "load_average": load})
@@ -361,7 +373,7 @@ def main(argv=None) -> int:
         print("  top own time in apt_serve_ray:")
         for name, sec in cp["top_own_s"]:
             print(f"    {name:<40} {sec:8.3f}")
-        ops = torch_profile_decode(llm, prompts, args.output_len, num_steps=5)
+        ops = torch_profile_decode(llm, prompts, num_steps=5)
         print(f"\ntorch.profiler: steady-state decode step, batch {len(prompts)}: self CPU ms per step")
         for key, ms, calls in ops[:18]:
             print(f"  {key:<40} {ms:8.2f}  x{calls}")
@@ -380,6 +392,7 @@ def main(argv=None) -> int:
             "threads": head["threads"],
             "by_threads_summary": {str(r["threads"]): {
                 "engine_tok_s": r["engine"]["tok_s"], "hf_tok_s": r["hf"]["tok_s"], "speedup": r["speedup"],
+                "engine_tok_per_cpu_s": r["engine"]["tok_per_cpu_s"], "hf_tok_per_cpu_s": r["hf"].get("tok_per_cpu_s"),
                 "overhead_share": r["engine"]["breakdown"]["all"]["overhead_share"],
                 "decode_overhead_share": r["engine"]["breakdown"].get("decode", {}).get("overhead_share"),
                 "hf_speedup_ceiling": r["hf"].get("speedup_ceiling"),

@@ -20,3 +20,19 @@ class CacheStorage:
         # KV view [pages, block_size, 2, kv_heads, head_dim]; hidden view [pages, tokens, hidden].
         self.kv = [t.view(num_pages, layout.block_size, 2, layout.num_kv_heads, layout.head_dim) for t in self.layers]
         self.hidden = [t[:, : tpp * layout.hidden_size].view(num_pages, tpp, layout.hidden_size) for t in self.layers]
+        # Flat row views for single-index gathers/scatters (rows: one token, or one head of K or V).
+        self.kv_token_rows = [t.view(num_pages * layout.block_size, 2 * layout.kv_dim) for t in self.layers]
+        self.kv_head_rows = [t.view(-1, layout.head_dim) for t in self.layers]
+        flat_hidden = tpp * layout.hidden_size == layout.page_elems  # MHA: hidden pages have no tail
+        self.hidden_rows = [t.view(-1, layout.hidden_size) for t in self.layers] if flat_hidden else None
+        self._workspaces: dict[str, torch.Tensor] = {}
+
+    def workspace(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A scratch buffer reused across layers and steps (fresh multi-MB allocations are slow)."""
+        numel = 1
+        for d in shape:
+            numel *= d
+        buf = self._workspaces.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            buf = self._workspaces[name] = torch.empty(max(numel, 1), dtype=dtype, device=self.layers[0].device)
+        return buf[:numel].view(shape)

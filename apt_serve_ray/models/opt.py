@@ -74,7 +74,7 @@ class OPTModel(DecoderModel):
             if not self.pre_norm:
                 h = self._norm(h, layer.attn_norm)
             x = self._norm(h, layer.mlp_norm) if self.pre_norm else h
-            h = h + F.linear(F.relu(F.linear(x, layer.w_fc1, layer.b_fc1)), layer.w_fc2, layer.b_fc2)
+            h = h + F.linear(F.relu_(F.linear(x, layer.w_fc1, layer.b_fc1)), layer.w_fc2, layer.b_fc2)
             if not self.pre_norm:
                 h = self._norm(h, layer.mlp_norm)
         if self.final_norm[0] is not None and self.pre_norm:

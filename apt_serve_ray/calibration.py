@@ -1,0 +1,230 @@
+"""Measured costs the scheduler prices decisions with: ``rho`` and a step-time model.
+
+* ``calibrate_rho`` times what a hidden-cache request adds to every decode step: gather its stored
+  x and project K and V (and rotate K, for RoPE models) for its whole context in every layer. The
+  time is fitted as ``intercept + seconds_per_token * L`` over a range of context lengths L;
+  ``rho = seconds_per_page`` is the slope times the tokens of one KV page (``block_size``), the unit
+  in which the scheduler counts a request's memory ``m_i`` (SPEC section 2).
+* ``step_time_model`` times whole steps (prepare + forward + lm-head + sample) for a few decode
+  batches and prefill chunks and fits ``step_s ~ a + b * num_tokens + c * sum_context``.
+
+Timings take the fastest of a few repeats (interference only adds time) and, on a CPU with one
+torch thread, this thread's CPU time rather than wall time, so a busy shared machine does not
+inflate them. Both only read the model and write nothing the engine can see, except that ``step_time_model``
+writes K/V into cache pages: give it a ``pool`` to borrow free pages from, or call it before any
+request holds pages (engine start).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from apt_serve_ray.request import CacheKind, Request
+from apt_serve_ray.sampling_params import SamplingParams
+from apt_serve_ray.scheduler.output import ScheduledChunk, SchedulerOutput
+
+DEFAULT_RHO_LENGTHS = (64, 128, 256, 512, 1024)
+_OWNER = "__calibration__"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _clock(device: torch.device):
+    """With one CPU thread every op runs on this thread, so its CPU time is the cost without the time
+    other processes held the core (shared machines); otherwise wall time (CPU time would sum threads)."""
+    if device.type == "cpu" and torch.get_num_threads() == 1:
+        return time.thread_time
+    return time.perf_counter
+
+
+def _fit(columns: list[list[float]], ys: list[float]) -> list[float]:
+    """Least squares ``ys ~ columns @ coef`` (columns include the constant)."""
+    a = torch.tensor(columns, dtype=torch.float64)
+    y = torch.tensor(ys, dtype=torch.float64).unsqueeze(1)
+    return torch.linalg.lstsq(a, y, driver="gelsd").solution.squeeze(1).tolist()
+
+
+def _r2(pred: list[float], ys: list[float]) -> float:
+    mean = sum(ys) / len(ys)
+    ss_tot = sum((y - mean) ** 2 for y in ys)
+    ss_res = sum((y - p) ** 2 for y, p in zip(ys, pred))
+    return 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
+
+
+# rho ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RhoCalibration:
+    """Per-decode-step cost of keeping one request's context in the hidden kind."""
+
+    seconds_per_page: float  # rho: recompute K/V of one KV page worth of tokens, all layers
+    seconds_per_token: float  # the fitted slope
+    intercept_s: float  # fixed cost per request per step (launches, Python), not per page
+    tokens_per_page: int  # the KV page size the per-page figure is for (block_size)
+    points: tuple[tuple[int, float], ...]  # (context length, fastest of the repeats in seconds)
+    r2: float = 1.0
+    repeats: int = 0
+    wall_s: float = 0.0  # how long the calibration itself took
+
+    def recompute_seconds(self, num_tokens: int) -> float:
+        """Predicted extra decode-step time of one hidden request with ``num_tokens`` of context."""
+        return self.intercept_s + self.seconds_per_token * num_tokens
+
+
+@torch.inference_mode()
+def calibrate_rho(runner, lengths: tuple[int, ...] = DEFAULT_RHO_LENGTHS, repeats: int = 3) -> RhoCalibration:
+    """Time gather(x) + project_kv (+ RoPE) over all layers for each context length in ``lengths``
+    (one request, as in a decode step) and fit a line. Lengths beyond the model's context or the
+    cache's capacity are dropped. Reads cache pages only."""
+    if repeats < 1:
+        raise ValueError(f"repeats: must be >= 1, got {repeats}")
+    start = time.perf_counter()
+    layout, storage, device = runner.layout, runner.storage, runner.device
+    tpp = layout.tokens_per_page(CacheKind.HIDDEN)
+    limit = min(runner.max_model_len, runner.num_pages * tpp)
+    usable = sorted({int(n) for n in lengths if 0 < int(n) <= limit})
+    if len(usable) < 2:
+        usable = sorted({max(1, limit // 4), max(2, limit // 2)})
+    num_layers = layout.num_layers
+    clock = _clock(device)
+
+    def one_pass(n: int) -> float:
+        # The decode path's shape: a [1, n] batch of cache slots, one gather and one matmul per layer.
+        pos = torch.arange(n)
+        pages = (pos // tpp).unsqueeze(0).to(device)
+        offsets = (pos % tpp).unsqueeze(0).to(device)
+        positions = pos.to(device)
+        _sync(device)
+        t = clock()
+        for layer in range(num_layers):
+            x = storage.hidden[layer][pages, offsets]
+            runner.model.project_kv(layer, x, positions)
+        _sync(device)
+        return clock() - t
+
+    one_pass(usable[-1])  # warm-up: allocator, kernels, caches
+    # Round-robin over the lengths, then the fastest repeat of each: interference from other
+    # processes only ever adds time, and a burst of it then does not tilt the fitted line.
+    best = {n: float("inf") for n in usable}
+    for _ in range(repeats):
+        for n in usable:
+            best[n] = min(best[n], one_pass(n))
+    points = [(n, best[n]) for n in usable]
+    intercept, slope = _fit([[1.0, float(n)] for n, _ in points], [t for _, t in points])
+    if slope <= 0:  # all noise (tiny models): no per-token cost can be resolved
+        slope, intercept = 0.0, sum(t for _, t in points) / len(points)
+    pred = [intercept + slope * n for n, _ in points]
+    return RhoCalibration(
+        seconds_per_page=slope * layout.block_size, seconds_per_token=slope, intercept_s=intercept,
+        tokens_per_page=layout.block_size, points=tuple(points), r2=_r2(pred, [t for _, t in points]),
+        repeats=repeats, wall_s=time.perf_counter() - start,
+    )
+
+
+# Step time ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StepTimeModel:
+    """``step_s ~ a + b * num_tokens + c * sum_context`` (+ hidden recompute when rho is known).
+
+    ``num_tokens``: tokens computed in the step; ``sum_context``: sum over the step's requests of
+    their context after the step (computed + new tokens)."""
+
+    a: float
+    b: float
+    c: float
+    points: tuple[tuple[str, int, int, float], ...]  # (composition, num_tokens, sum_context, seconds)
+    r2: float = 1.0
+    hidden_seconds_per_token: float = 0.0  # from RhoCalibration, per token of hidden context
+    wall_s: float = 0.0
+
+    def predict(self, num_tokens: int, sum_context: int, sum_hidden_context: int = 0) -> float:
+        return (self.a + self.b * num_tokens + self.c * sum_context
+                + self.hidden_seconds_per_token * sum_hidden_context)
+
+
+def _fake_request(i: int, context: int, num_new: int, vocab: int, page_ids: list[int], kind: CacheKind) -> Request:
+    ids = [(7 * i + 13 * t) % vocab for t in range(context)]
+    r = Request(f"{_OWNER}{i}", ids, SamplingParams(max_tokens=1, temperature=0.0), max_total_tokens=context + 1,
+                ttft_slo_ms=1.0, tbt_slo_ms=1.0)
+    r.num_computed_tokens = context - num_new
+    r.kind = kind
+    r.page_ids = page_ids
+    return r
+
+
+@torch.inference_mode()
+def step_time_model(
+    runner,
+    *,
+    decode_batch_sizes: tuple[int, ...] = (1, 8, 32),
+    decode_contexts: tuple[int, ...] = (128, 512),
+    prefill_chunk_sizes: tuple[int, ...] = (128, 512),
+    repeats: int = 2,
+    pool=None,
+    rho: RhoCalibration | None = None,
+) -> StepTimeModel:
+    """Time ``runner.execute`` on KV decode batches (every size x context) and single prefill
+    chunks, and fit the linear step-time model. Compositions that do not fit the model's context
+    or the free pages are skipped. With ``pool``, pages are borrowed from it and returned; without,
+    the cache must be idle (no request holds pages)."""
+    if repeats < 1:
+        raise ValueError(f"repeats: must be >= 1, got {repeats}")
+    start = time.perf_counter()
+    layout, device = runner.layout, runner.device
+    clock = _clock(device)
+    vocab = runner.model.shape.vocab_size
+    free_pages = pool.num_free_pages if pool is not None else runner.num_pages
+    compositions: list[tuple[str, list[tuple[int, int]]]] = []  # (name, [(context, new tokens)])
+    for ctx in decode_contexts:
+        for b in decode_batch_sizes:
+            compositions.append((f"decode b={b} ctx={ctx}", [(ctx, 1)] * b))
+    for n in prefill_chunk_sizes:
+        compositions.append((f"prefill {n}", [(n, n)]))
+
+    def fits(reqs) -> bool:
+        return (all(ctx < runner.max_model_len for ctx, _ in reqs)
+                and sum(layout.num_pages_for(ctx, CacheKind.KV) for ctx, _ in reqs) <= free_pages)
+
+    compositions = [c for c in compositions if fits(c[1])]
+    if len(compositions) < 3:
+        raise ValueError("step_time_model: fewer than 3 batch compositions fit the cache; give smaller sizes")
+    borrowed = None
+    if pool is not None:
+        need = max(sum(layout.num_pages_for(ctx, CacheKind.KV) for ctx, _ in reqs) for _, reqs in compositions)
+        borrowed = pool.allocate(need, CacheKind.KV, _OWNER)
+        if borrowed is None:
+            raise ValueError("step_time_model: the pool has too few free pages")
+    page_ids = borrowed if borrowed is not None else list(range(runner.num_pages))
+    points = []
+    try:
+        for name, reqs in compositions:
+            requests, next_page = [], 0
+            for i, (ctx, new) in enumerate(reqs):
+                num = layout.num_pages_for(ctx, CacheKind.KV)
+                requests.append(_fake_request(i, ctx, new, vocab, page_ids[next_page : next_page + num], CacheKind.KV))
+                next_page += num
+            out = SchedulerOutput([ScheduledChunk(r, new) for r, (_, new) in zip(requests, reqs)])
+            runner.execute(out)  # warm-up for this shape
+            times = []
+            for _ in range(repeats):
+                _sync(device)
+                t = clock()
+                runner.execute(out)
+                _sync(device)
+                times.append(clock() - t)
+            points.append((name, sum(new for _, new in reqs), sum(ctx for ctx, _ in reqs), min(times)))
+    finally:
+        if borrowed is not None:
+            pool.free(borrowed, _OWNER)
+    a, b, c = _fit([[1.0, float(n), float(ctx)] for _, n, ctx, _ in points], [t for *_, t in points])
+    pred = [a + b * n + c * ctx for _, n, ctx, _ in points]
+    return StepTimeModel(
+        a=a, b=b, c=c, points=tuple(points), r2=_r2(pred, [t for *_, t in points]),
+        hidden_seconds_per_token=rho.seconds_per_token if rho is not None else 0.0,
+        wall_s=time.perf_counter() - start,
+    )
