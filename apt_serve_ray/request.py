@@ -88,6 +88,7 @@ class Request:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.token_times: list[float] = []
+        self.max_gap = 0.0  # longest gap between consecutive output tokens so far
         self.finish_time: float | None = None
         self.num_preemptions = 0
         self.num_upgrades = 0
@@ -130,11 +131,24 @@ class Request:
             return self.arrival_time + self.ttft_slo_ms / 1000.0
         return self.last_token_time + self.tbt_slo_ms / 1000.0
 
+    def has_missed_slo(self, now: float) -> bool:
+        """True once it can no longer pass: its first token came (or is) later than the TTFT target, or
+        one of its gaps is (or has been) longer than the TBT target. A single long gap is enough: with
+        fewer than 100 gaps their P99 is within 1% of the largest."""
+        if self.first_token_time is None:
+            return now - self.arrival_time > self.ttft_slo_ms / 1000.0
+        if self.first_token_time - self.arrival_time > self.ttft_slo_ms / 1000.0:
+            return True
+        tbt = self.tbt_slo_ms / 1000.0
+        return self.max_gap > tbt or (not self.is_finished and now - self.last_token_time > tbt)
+
     def append_output_token(self, token_id: int, now: float) -> None:
         self.all_token_ids.append(token_id)
         self.output_token_ids.append(token_id)
         if self.first_token_time is None:
             self.first_token_time = now
+        else:
+            self.max_gap = max(self.max_gap, now - self.last_token_time)
         self.last_token_time = now
         self.token_times.append(now)
 

@@ -27,6 +27,11 @@ class CostModel:
     per_context_s: float = 0.000002
     hidden_context_s: float = 0.00002
 
+    def predict(self, num_tokens: int, sum_context: int, sum_hidden_context: int = 0) -> float:
+        """The same shape as ``calibration.StepTimeModel.predict`` (context: decodes and chunks alike)."""
+        return (self.base_s + self.per_token_s * num_tokens + self.per_context_s * sum_context
+                + self.hidden_context_s * sum_hidden_context)
+
     def step_time(self, chunks) -> float:
         t = self.base_s + self.per_token_s * sum(c.num_tokens for c in chunks)
         for c in chunks:

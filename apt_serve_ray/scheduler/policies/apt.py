@@ -1,25 +1,29 @@
-"""The adaptive SLO-aware policy (Apt-Serve, SPEC section 2).
+"""The adaptive SLO-aware policy (Apt-Serve, SPEC section 2), with two measured corrections.
 
 Every step:
 
-1. Score every candidate (running requests not yet scheduled, admissible waiting ones):
-   value = time_weight * pending + slo_weight * urgency + priority_weight * importance, where a
-   request that can no longer meet its SLO keeps only ``fairness_penalty`` of its pending time (it
-   loses value but never reaches zero, so it is never stuck); ``U`` counts those that can still meet
-   it, and choosing the hidden kind costs ``U * rho * m`` (rho: measured seconds to recompute one
-   page of K/V per step, m: the request's pages with a full KV cache).
-2. Requests past ``max_wait_time`` are served first, oldest first, outside the knapsack.
-3. The greedy 2-approximation (``knapsack.greedy_select``) picks who holds memory and in which kind,
-   under the free pages plus the pages the running candidates already hold.
-4. Apply it: running requests that lost their place are preempted only when the memory is needed
-   (a running request costs no new memory, so it keeps running otherwise); running hidden requests
-   chosen as KV are upgraded in place; chosen waiting requests are admitted with their kind.
-5. Iteration shape (paper): if the summed pending time of the waiting exceeds that of the running,
-   prefills go first with the whole token budget; otherwise decodes go first and prefill chunks
-   get ``decode_first_prefill_share`` of the budget, so long prompts do not stall decodes.
+1. **Who can still pass.** A request that has already missed its SLO (late first token, or a gap over
+   its TBT target) no longer counts for attainment. ``U`` counts the others; choosing the hidden kind
+   for a request costs ``U * rho * m`` (rho: measured seconds to recompute one page of K/V per step,
+   m: its pages with a full KV cache), exactly the paper's value.
+2. **Running requests that can still pass keep their memory** (first correction). The paper's value,
+   pending time, is near zero for a request that just got a token, so the greedy would evict running
+   requests for waiting ones on every step; each eviction is a recompute and a missed TBT target.
+   Measured on the simulator and on the engine, that thrashing lost to FCFS. They are pinned; the
+   knapsack (``knapsack.greedy_select``, the 2-approximation) then chooses, under the remaining pages,
+   among waiting requests and running ones that have already missed: which hold memory and in which
+   kind. Chosen waiting requests are admitted with their kind; unchosen running ones are preempted
+   only when their pages are needed; running hidden requests chosen as KV are upgraded in place.
+3. **Step-time-aware prefill** (second correction, Sarathi's lesson made SLO-aware): prefill chunks
+   get as many tokens as keep the predicted step time under the tightest TBT target of the running
+   requests that can still pass (a calibrated step-time model), instead of a fixed budget.
+4. **Iteration shape** (paper): if the summed pending time of the waiting exceeds that of the running,
+   prefills are placed first; otherwise decodes are.
+5. **No starvation.** Missed requests keep ``fairness_penalty`` of their value (never zero), and a
+   request that has waited ``max_wait_time`` is protected until it finishes: served first, oldest
+   first, outside the knapsack, never a victim.
 
-Running KV requests are never switched to hidden: x is gone, it would be a preemption with
-recompute, which costs more than the memory it would save for one step.
+Running KV requests are never switched to hidden: x is gone, it would be a preemption with recompute.
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ class AdaptiveScheduler(SchedulingPolicy):
     def __init__(
         self, time_weight: float = 1.0, memory_weight: float = 1.0, slo_weight: float = 0.0,
         priority_weight: float = 0.0, fairness_penalty: float = 0.1, max_wait_time: float = 60.0,
-        *, config=None, rho: float | None = None, decode_first_prefill_share: float = 0.25,
+        *, config=None, rho: float | None = None, step_model=None, tbt_headroom: float = 0.8,
+        hidden_cost_steps: float = 8.0, evict_missed: bool = False,
     ) -> None:
         super().__init__(config)
         for name, value in (("time_weight", time_weight), ("memory_weight", memory_weight),
@@ -54,27 +59,42 @@ class AdaptiveScheduler(SchedulingPolicy):
             raise ValueError(f"max_wait_time: must be > 0 seconds, got {max_wait_time!r}")
         if rho is not None and not rho >= 0:
             raise ValueError(f"rho: must be >= 0 seconds per page, got {rho!r}")
-        if not 0.0 < decode_first_prefill_share <= 1.0:
-            raise ValueError(f"decode_first_prefill_share: must be in (0, 1], got {decode_first_prefill_share!r}")
+        if not hidden_cost_steps >= 1.0:
+            raise ValueError(f"hidden_cost_steps: must be >= 1, got {hidden_cost_steps!r}")
+        if not 0.0 < tbt_headroom <= 1.0:
+            raise ValueError(f"tbt_headroom: must be in (0, 1], got {tbt_headroom!r}")
         self.time_weight, self.memory_weight = float(time_weight), float(memory_weight)
         self.slo_weight, self.priority_weight = float(slo_weight), float(priority_weight)
         self.fairness_penalty, self.max_wait_time = float(fairness_penalty), float(max_wait_time)
         self.rho = rho
-        self.decode_first_prefill_share = decode_first_prefill_share
+        self.step_model = step_model  # .predict(num_tokens, sum_context, sum_hidden_context) -> seconds
+        self.tbt_headroom = tbt_headroom
+        # The paper prices the hidden kind for one step (U * rho * m); a request stays hidden until
+        # memory allows its upgrade, so the operator may price more steps where recompute is dear.
+        self.hidden_cost_steps = float(hidden_cost_steps)
+        # Whether running requests that already missed their SLO compete for memory with waiting ones
+        # (and may be evicted for them), as in the paper; off, they keep running and are only the
+        # first victims when a running request needs pages to grow.
+        self.evict_missed = bool(evict_missed)
         self.last_decision: dict = {}
         self._protected: set[str] = set()
 
     def bind(self, engine) -> None:
-        """Called by the engine when the policy is installed: calibrate rho by timing, once."""
+        """Called by the engine when the policy is installed: calibrate rho and the step time, once."""
         if self.config is None:
             self.config = engine.config
+        runner = getattr(engine, "runner", None)
+        calibrate = engine.config.calibrate_rho and runner is not None
         if self.rho is None:
-            if engine.hidden_allowed and engine.config.calibrate_rho:
+            self.rho = 0.0
+            if calibrate and engine.hidden_allowed:
                 from apt_serve_ray.calibration import calibrate_rho
 
-                self.rho = calibrate_rho(engine.runner).seconds_per_page
-            else:
-                self.rho = 0.0
+                self.rho = calibrate_rho(runner).seconds_per_page
+        if self.step_model is None and calibrate:
+            from apt_serve_ray.calibration import step_time_model
+
+            self.step_model = step_time_model(runner, pool=engine.cache.pool)
 
     # ----------------------------------------------------------------------------------------------
     def schedule(self, ctx) -> None:
@@ -84,88 +104,121 @@ class AdaptiveScheduler(SchedulingPolicy):
         candidates = running + waiting
         if not candidates:
             return
-        n_run = len(running)
+        n, n_run = len(candidates), len(running)
         lay = ctx.cache.layout
-        need = np.fromiter((r.num_tokens + 1 for r in candidates), dtype=np.int64, count=len(candidates))
+        need = np.fromiter((r.num_tokens + 1 for r in candidates), dtype=np.int64, count=n)
         mem_kv = -(-need // lay.tokens_per_page(CacheKind.KV))
         mem_hidden = -(-need // lay.tokens_per_page(CacheKind.HIDDEN))
-        hidden_ok = np.zeros(len(candidates), dtype=bool)
+        held = np.fromiter((len(r.page_ids) for r in candidates), dtype=np.int64, count=n)
+        is_hidden = np.fromiter((r.kind is CacheKind.HIDDEN for r in candidates), dtype=bool, count=n)
+        hidden_ok = np.zeros(n, dtype=bool)
         if ctx.hidden_allowed:
-            hidden_ok[:n_run] = [r.kind is CacheKind.HIDDEN for r in running]
+            hidden_ok[:n_run] = is_hidden[:n_run]
             hidden_ok[n_run:] = True
-        pending = np.fromiter((r.pending_time(now) for r in candidates), dtype=np.float64, count=len(candidates))
-        deadline = np.fromiter((r.deadline() for r in candidates), dtype=np.float64, count=len(candidates))
-        meetable = deadline >= now
-        # Starvation bound: once a request has waited max_wait_time it is protected until it finishes:
-        # served first (oldest first), outside the knapsack, and never chosen as a victim.
-        self._protected &= {r.request_id for r in ctx.running} | {r.request_id for r in ctx.waiting}
-        self._protected |= {r.request_id for r, p in zip(candidates, pending) if p > self.max_wait_time}
-        forced = np.fromiter((r.request_id in self._protected for r in candidates), dtype=bool, count=len(candidates))
-        value = self._values(candidates, pending, deadline, meetable, now)
-        u = int(meetable.sum())
-        recompute_cost = u * (self.rho or 0.0) * mem_kv
+        pending = np.fromiter((r.pending_time(now) for r in candidates), dtype=np.float64, count=n)
+        missed = np.fromiter((r.has_missed_slo(now) for r in candidates), dtype=bool, count=n)
+        value = self._values(candidates, pending, missed, now)
+        u = int((~missed).sum())
+        recompute_cost = u * (self.rho or 0.0) * mem_kv * self.hidden_cost_steps
+        if n_run and self.step_model is not None:
+            # Evicting a running request throws its computed tokens away: recomputing them delays
+            # the U requests that can still pass, priced like the hidden kind's recompute (U x time).
+            computed = np.fromiter((r.num_computed_tokens for r in running), dtype=np.float64, count=n_run)
+            value[:n_run] += u * self._prefill_token_s() * computed
 
-        held = sum(len(r.page_ids) for r in running)
-        capacity = ctx.num_free_pages + held
-        # The protected take their KV memory first, then the knapsack runs on the rest.
-        forced_idx = sorted(np.flatnonzero(forced).tolist(), key=lambda i: candidates[i].arrival_time)
-        capacity -= int(mem_kv[forced_idx].sum()) if forced_idx else 0
-        rest = np.flatnonzero(~forced)
+        self._protected &= {r.request_id for r in candidates} | {r.request_id for r in ctx.running}
+        self._protected |= {r.request_id for r, p in zip(candidates, pending) if p > self.max_wait_time}
+        forced = np.fromiter((r.request_id in self._protected for r in candidates), dtype=bool, count=n)
+        pinned = np.zeros(n, dtype=bool)
+        pinned[:n_run] = ~forced[:n_run] & (~missed[:n_run] if self.evict_missed else True)
+        # Memory the pinned and forced take first, in their current kind (KV for new forced ones).
+        first = forced | pinned
+        first_mem = np.where(is_hidden, mem_hidden, mem_kv)
+        capacity = ctx.num_free_pages + int(held[:n_run].sum()) - int(first_mem[first].sum())
+        rest = np.flatnonzero(~first)
         sel = greedy_select(value[rest], recompute_cost[rest], mem_kv[rest], mem_hidden[rest], hidden_ok[rest],
                             max(0, capacity), memory_weight=self.memory_weight)
-        chosen = np.zeros(len(candidates), dtype=bool)
-        hidden = np.zeros(len(candidates), dtype=bool)
+        chosen, hidden = first.copy(), is_hidden & first
         chosen[rest], hidden[rest] = sel.chosen, sel.hidden
         density = value / np.maximum(mem_kv, 1) ** self.memory_weight
-        order = forced_idx + sorted((int(i) for i in rest[sel.chosen]), key=lambda i: -density[i])
-        self.last_decision = {"num_candidates": len(candidates), "num_chosen": len(order), "U": u,
-                              "num_forced": len(forced_idx), "num_hidden": int(hidden.sum()), "capacity": capacity}
+        arrival = [r.arrival_time for r in candidates]
+        forced_idx = sorted(np.flatnonzero(forced).tolist(), key=arrival.__getitem__)
+        order = forced_idx + sorted(np.flatnonzero(chosen & ~forced).tolist(), key=lambda i: -density[i])
+        self.last_decision = {"num_candidates": n, "num_chosen": len(order), "U": u, "num_forced": len(forced_idx),
+                              "num_pinned": int(pinned.sum()), "num_hidden": int(hidden.sum()), "capacity": capacity}
 
-        # Running hidden requests the knapsack wants as KV: upgrade in place (if the pages are there).
-        for i in order:
-            r = candidates[i]
-            if i < n_run and r.kind is CacheKind.HIDDEN and not hidden[i] and not forced[i]:
-                ctx.upgrade(r)
+        for i in order:  # running hidden requests the knapsack wants as KV: upgrade in place
+            if i < n_run and is_hidden[i] and not hidden[i] and not first[i]:
+                ctx.upgrade(candidates[i])
+        # Hidden is a remedy for memory pressure, not a state: pinned hidden requests go back to KV
+        # (largest context first, it costs the most per step) while the spare pages allow.
+        spare = capacity - sel.pages
+        for i in sorted(np.flatnonzero(pinned & is_hidden).tolist(), key=lambda i: -need[i]):
+            if spare >= mem_kv[i] and ctx.upgrade(candidates[i]):
+                spare -= mem_kv[i] - mem_hidden[i]
+                hidden[i] = False
 
-        waiting_pressure = pending[n_run:].sum()
-        running_pressure = pending[:n_run].sum()
-        is_decode = [i < n_run and candidates[i].is_decoding for i in range(len(candidates))]
+        is_decode = [i < n_run and candidates[i].is_decoding for i in range(n)]
         decodes = [i for i in order if is_decode[i]]
         prefills = [i for i in order if not is_decode[i]]
-        victims = sorted((i for i in range(n_run) if not chosen[i] and not forced[i]), key=lambda i: density[i])
-        run = lambda idx, budget: self._run(ctx, candidates, n_run, idx, hidden, victims, budget)  # noqa: E731
-        if waiting_pressure > running_pressure:
-            run(prefills, ctx.token_budget)
+        # Victims when pages run short: unchosen first, then (only for running requests' growth) those
+        # that already missed, then the rest; lowest density first; never the protected.
+        victims = sorted((i for i in range(n_run) if not forced[i]),
+                         key=lambda i: (bool(chosen[i]), not missed[i], density[i]))
+        evictable = {i for i in range(n_run) if not chosen[i]}
+        run = lambda idx, budget: self._run(ctx, candidates, n_run, idx, hidden, victims, budget, evictable)  # noqa: E731
+        prefill_budget = self._prefill_budget(ctx, candidates, decodes, missed, is_hidden)
+        if pending[n_run:].sum() > pending[:n_run].sum():
+            run(prefills, prefill_budget)
             run(decodes, ctx.token_budget)
         else:
             run(decodes, ctx.token_budget)
-            share = max(1, int(self.config.max_num_batched_tokens * self.decode_first_prefill_share))
-            run(prefills, min(ctx.token_budget, share))
-        # Unchosen running requests that still hold their pages keep decoding if budget remains.
-        self._run(ctx, candidates, n_run, [i for i in range(n_run) if not chosen[i]], hidden, [], ctx.token_budget)
+            run(prefills, prefill_budget)
+        # Unchosen running requests still holding pages keep decoding while the budget lasts.
+        self._run(ctx, candidates, n_run, [i for i in range(n_run) if not chosen[i]], hidden, [], ctx.token_budget, set())
         if ctx.num_scheduled == 0 and ctx.running:
             # Liveness: page estimates can be off by rounding; never let a step schedule nothing
             # while requests hold memory. Fall back to preempting the lowest-value running request.
-            lowest = {id(candidates[i]): density[i] for i in range(n_run)}
-            key = lambda r: (r.request_id not in self._protected, -lowest.get(id(r), 0.0))  # noqa: E731
+            rank = {id(candidates[i]): density[i] for i in range(n_run)}
+            key = lambda r: (r.request_id not in self._protected, -rank.get(id(r), 0.0))  # noqa: E731
             run_running(ctx, sorted(ctx.running, key=key), victim_key=key, chunked=True)
 
-    def _values(self, candidates: list[Request], pending, deadline, meetable, now) -> np.ndarray:
-        effective = np.where(meetable, pending, self.fairness_penalty * pending)
-        value = self.time_weight * effective
+    def _values(self, candidates: list[Request], pending, missed, now) -> np.ndarray:
+        value = self.time_weight * np.where(missed, self.fairness_penalty * pending, pending)
         if self.slo_weight:
+            deadline = np.fromiter((r.deadline() for r in candidates), dtype=np.float64, count=len(candidates))
             slack = np.fromiter(((r.ttft_slo_ms if r.last_token_time is None else r.tbt_slo_ms) / 1000.0
                                  for r in candidates), dtype=np.float64, count=len(candidates))
-            value = value + self.slo_weight * np.where(meetable, urgency(now, deadline, slack), self.fairness_penalty)
+            value = value + self.slo_weight * np.where(missed, self.fairness_penalty, urgency(now, deadline, slack))
         if self.priority_weight:
             # vLLM convention: lower priority value = more important; importance is its negation, shifted >= 0.
             prio = np.fromiter((r.priority for r in candidates), dtype=np.float64, count=len(candidates))
             value = value + self.priority_weight * (prio.max() - prio)
         return value
 
-    def _run(self, ctx, candidates, n_run: int, indices, hidden, victims: list[int], budget: int) -> None:
-        """Schedule ``indices`` in order while ``budget`` tokens last; preempt ``victims`` (lowest
-        density first) when pages are short."""
+    def _prefill_token_s(self) -> float:
+        return max(self.step_model.predict(1, 1) - self.step_model.predict(0, 0), 1e-9)
+
+    def _prefill_budget(self, ctx, candidates, decodes, missed, is_hidden) -> int:
+        """Prefill tokens that keep the step under the tightest TBT target of the decodes that can still
+        pass (at least one page's worth, so prefills always progress)."""
+        budget = ctx.token_budget
+        if self.step_model is None:
+            return budget
+        live = [i for i in decodes if not missed[i]]
+        if not live:
+            return budget
+        target = self.tbt_headroom * min(candidates[i].tbt_slo_ms for i in live) / 1000.0
+        ctx_sum = sum(candidates[i].num_tokens for i in decodes)
+        hidden_sum = sum(candidates[i].num_tokens for i in decodes if is_hidden[i])
+        base = self.step_model.predict(len(decodes), ctx_sum, hidden_sum)
+        room = int((target - base) / self._prefill_token_s())
+        return max(ctx.cache.layout.block_size, min(budget, room))
+
+    def _run(self, ctx, candidates, n_run: int, indices, hidden, victims: list[int], budget: int,
+             evictable: set[int]) -> None:
+        """Schedule ``indices`` in order while ``budget`` tokens last; when pages are short, preempt
+        ``victims`` in order (for a waiting request, only the ``evictable`` ones)."""
         for i in indices:
             r = candidates[i]
             if r.is_finished or ctx.is_scheduled(r) or budget <= 0 or ctx.num_seqs_left <= 0:
@@ -180,7 +233,7 @@ class AdaptiveScheduler(SchedulingPolicy):
                 kind = CacheKind.HIDDEN if hidden[i] and ctx.hidden_allowed else CacheKind.KV
             while not ctx.schedule(r, n, kind):
                 victim = next((v for v in victims if candidates[v].status is RequestStatus.RUNNING
-                               and candidates[v] is not r), None)
+                               and candidates[v] is not r and (i < n_run or v in evictable)), None)
                 if victim is None or ctx.cache.can_allocate(r, r.num_computed_tokens + n, kind):
                     break
                 victims.remove(victim)
