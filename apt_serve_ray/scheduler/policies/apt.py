@@ -28,6 +28,7 @@ Running KV requests are never switched to hidden: x is gone, it would be a preem
 
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
@@ -36,6 +37,8 @@ from apt_serve_ray.request import CacheKind, Request, RequestStatus
 from apt_serve_ray.scheduler.knapsack import greedy_select, urgency
 from apt_serve_ray.scheduler.policies.base import SchedulingPolicy, run_running
 from apt_serve_ray.scheduler.registry import register_policy
+
+logger = logging.getLogger("apt_serve_ray")
 
 
 @register_policy
@@ -94,7 +97,10 @@ class AdaptiveScheduler(SchedulingPolicy):
         if self.step_model is None and calibrate:
             from apt_serve_ray.calibration import step_time_model
 
-            self.step_model = step_time_model(runner, pool=engine.cache.pool)
+            try:
+                self.step_model = step_time_model(runner, pool=engine.cache.pool)
+            except ValueError as exc:  # a pool too small to time a few batches: prefill budget stays fixed
+                logger.warning("apt: no step-time model (%s); prefill chunks use the fixed token budget", exc)
 
     # ----------------------------------------------------------------------------------------------
     def schedule(self, ctx) -> None:
