@@ -1,19 +1,39 @@
 """apt-serve-ray: an LLM engine with a hybrid KV / hidden-state cache and an SLO-aware scheduler.
 
-This package never imports ray; the Ray Serve deployments live in ``deployments/``.
+This package never imports ray; the Ray Serve deployments live in ``deployments/``. Names are
+imported lazily, so a process that needs only a light part (the watermark rule, sampling
+parameters) does not load torch and transformers.
 """
 
-from apt_serve_ray.async_engine import AsyncLLMEngine
-from apt_serve_ray.config import EngineConfig
-from apt_serve_ray.engine import LLMEngine
-from apt_serve_ray.llm import LLM, HybridCacheLLM
-from apt_serve_ray.observability.tracker import CacheTracker
-from apt_serve_ray.outputs import CompletionOutput, RequestOutput
-from apt_serve_ray.sampling_params import SamplingParams
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "LLM", "HybridCacheLLM", "SamplingParams", "RequestOutput", "CompletionOutput",
-    "EngineConfig", "LLMEngine", "AsyncLLMEngine", "CacheTracker",
-]
+_EXPORTS = {
+    "LLM": "apt_serve_ray.llm",
+    "HybridCacheLLM": "apt_serve_ray.llm",
+    "SamplingParams": "apt_serve_ray.sampling_params",
+    "RequestOutput": "apt_serve_ray.outputs",
+    "CompletionOutput": "apt_serve_ray.outputs",
+    "EngineConfig": "apt_serve_ray.config",
+    "LLMEngine": "apt_serve_ray.engine",
+    "AsyncLLMEngine": "apt_serve_ray.async_engine",
+    "CacheTracker": "apt_serve_ray.observability.tracker",
+    "AdaptiveScheduler": "apt_serve_ray.scheduler.policies.apt",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'apt_serve_ray' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

@@ -35,6 +35,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     policy: str = "sarathi"
+    policy_options: dict | None = None  # keyword arguments of the policy, e.g. AdaptiveScheduler's weights
     # Per-request defaults (SLOs in milliseconds; lower priority value = served earlier, as in vLLM).
     default_ttft_slo_ms: float = 10_000.0
     default_tbt_slo_ms: float = 1_000.0
@@ -77,6 +78,8 @@ class EngineConfig:
 
         if self.policy not in policy_names():
             raise ValueError(f"policy: unknown policy {self.policy!r}; valid names: {sorted(policy_names())}")
+        if self.policy_options is not None and not isinstance(self.policy_options, dict):
+            raise ValueError(f"policy_options: must be a dict of keyword arguments, got {self.policy_options!r}")
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

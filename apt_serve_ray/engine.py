@@ -40,12 +40,18 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.source)
         self.layout = self.runner.layout
         self.max_model_len = self.runner.max_model_len
+        kv_capacity = self.runner.num_pages * config.block_size
+        if kv_capacity < self.max_model_len:
+            # A request longer than the whole pool could never run: it would be preempted forever.
+            logger.warning("max_model_len capped from %d to %d tokens: the KV capacity of %d pages",
+                           self.max_model_len, kv_capacity, self.runner.num_pages)
+            self.max_model_len = kv_capacity
         self.vocab_size = self.runner.model.shape.vocab_size
         self.cache = CacheManager(PagePool(self.runner.num_pages), self.layout)
         self.hidden_allowed = self.layout.hidden_saves_memory or config.force_hidden
         self._log_cache_geometry()
         self.scheduler = Scheduler(config, self.cache, None, self.hidden_allowed, self.max_model_len)
-        self.set_policy(make_policy(config.policy, config))
+        self.set_policy(make_policy(config.policy, config, **(config.policy_options or {})))
         self.watermarks = (
             Watermarks(config.light_watermark, config.heavy_watermark, config.max_hidden_ratio,
                        config.hidden_ratio_step, base=self.scheduler.cache_ratio)

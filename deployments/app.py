@@ -100,7 +100,7 @@ class AppArgs(BaseModel):
         unknown = sorted(set(self.engine_options) - known)
         if unknown:
             raise ValueError(f"engine_options: unknown engine field {unknown[0]!r}; valid: {sorted(known)}")
-        overlap = sorted(set(self.engine_options) & (set(fields) | {"model", "tokenizer", "enable_watermarks"}))
+        overlap = sorted(set(self.engine_options) & {*_ENGINE_FIELDS, "model", "tokenizer", "enable_watermarks"})
         if overlap:
             raise ValueError(f"engine_options: set {overlap[0]!r} as an app argument, not in engine_options")
         return EngineConfig(model=self.model, tokenizer=self.tokenizer, enable_watermarks=False,

@@ -6,11 +6,12 @@ to the request router through ``record_routing_stats`` (Serve polls it) and to t
 controller through a heartbeat whose reply carries the cluster's knobs: Serve has no way to call
 every replica of a deployment, so the replicas report in and the controller answers.
 
+Tokens that pile up while Ray is still sending the previous item travel together (``coalesced``).
 Wire format of one streamed item (every key optional but ``text``/``token_ids``)::
 
     {"text": "new text", "token_ids": [ids], "replica_id": "ab12" and "num_prompt_tokens": 7 (first item),
      "finish_reason": "stop"|"length"|"abort"|"error", "stop_reason": ..., "num_output_tokens": 9,
-     "error": "message" (last item)}
+     "error": "message", "engine_ttft_s": 0.12, "engine_e2e_s": 1.3 (last item)}
 
 A request the engine refuses yields one ``{"invalid": "field: what is wrong"}`` item and ends.
 """
@@ -26,7 +27,7 @@ import ray
 from ray import serve
 
 from apt_serve_ray import AsyncLLMEngine, EngineConfig, SamplingParams
-from apt_serve_ray.scheduler.registry import make_policy
+from deployments.streaming import coalesced, merge_items
 
 logger = logging.getLogger("ray.serve")
 
@@ -35,10 +36,10 @@ logger = logging.getLogger("ray.serve")
 class EngineReplica:
     async def __init__(self, engine_config: EngineConfig, controller=None, policy_options: dict | None = None,
                        report_interval_s: float = 0.5) -> None:
-        self.engine = AsyncLLMEngine(engine_config)
         if policy_options:
-            config = self.engine.config
-            self.engine.engine.set_policy(make_policy(config.policy, config, **policy_options))
+            engine_config = engine_config.replace(policy_options={**(engine_config.policy_options or {}),
+                                                                   **policy_options})
+        self.engine = AsyncLLMEngine(engine_config)
         self.engine.start()
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
@@ -46,6 +47,10 @@ class EngineReplica:
         self.model = engine_config.model
         self.num_requests = 0
         self.num_aborted = 0  # callers that went away (disconnect, cancel) before the end
+        # Requests received but not yet prefilled hold no pages yet; the router must still count
+        # them, so the load reports their prompt pages (one entry per call in progress).
+        self._pending_pages: dict[object, int] = {}
+        self._tokens_per_page = self.engine.load()["tokens_per_page"]["kv"]
         self._applied_ratio: float | None = None
         self._controller = controller
         self._report_interval_s = report_interval_s
@@ -66,18 +71,25 @@ class EngineReplica:
                                       **request.get("scheduling", {}))
         self.num_requests += 1
         finished = False
+        key = object()  # not the request id: it may be None (then the engine makes one)
+        self._pending_pages[key] = -(-request.get("num_prompt_tokens", 0) // self._tokens_per_page) + 1
         async with contextlib.aclosing(stream):  # closing it aborts the request and frees its pages
             try:
                 first = await anext(stream)
             except ValueError as exc:
                 yield {"invalid": str(exc)}
                 return
+            finally:
+                self._pending_pages.pop(key, None)
             try:
                 yield self._item(first, first=True)
                 finished = first.finished
-                async for out in stream:
-                    yield self._item(out)
-                    finished = out.finished
+                if not finished:
+                    merge = lambda outs: merge_items([self._item(o) for o in outs])  # noqa: E731
+                    async with contextlib.aclosing(coalesced(stream, merge)) as items:
+                        async for item in items:
+                            yield item
+                            finished = "finish_reason" in item
             finally:
                 if not finished:
                     self.num_aborted += 1
@@ -91,6 +103,10 @@ class EngineReplica:
         if out.finished:
             item.update(finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                         num_output_tokens=len(c.token_ids), error=out.error)
+            m = out.metrics
+            if m is not None and m.first_token_time is not None:  # as the engine saw it, for overhead studies
+                item["engine_ttft_s"] = m.first_token_time - m.arrival_time
+                item["engine_e2e_s"] = (m.finish_time or m.last_token_time) - m.arrival_time
         return item
 
     # Control --------------------------------------------------------------------------------------
@@ -112,7 +128,7 @@ class EngineReplica:
         return {**self.engine.load(), "time": time.time(), "replica_id": self.replica_id,
                 "actor_name": self.actor_name, "model": self.model, "max_model_len": self.engine.max_model_len,
                 "max_num_seqs": self.engine.config.max_num_seqs, "num_requests": self.num_requests,
-                "num_aborted": self.num_aborted}
+                "num_aborted": self.num_aborted, "num_pending_pages": sum(self._pending_pages.values())}
 
     def record_routing_stats(self) -> dict:
         return self.load()

@@ -2,10 +2,17 @@
 
 For each ``generate`` call it estimates the pages the request will hold (its prompt plus up to
 ``output_horizon_tokens`` of output, in KV pages: the most it can need) and each replica's free pages:
-the replica's last ``record_routing_stats`` snapshot minus what this router has sent there since
-that snapshot was taken (Serve refreshes stats only every ``request_routing_stats_period_s``)::
+the replica's last ``record_routing_stats`` snapshot (free pages, less the prompt pages of requests
+it has received but not yet prefilled) minus what this router has sent there since that snapshot
+was taken (Serve refreshes stats only every ``request_routing_stats_period_s``)::
 
-    est_free = stats.num_free_pages - sum(pages of requests routed here after stats.time, still running)
+    est_free = stats.num_free_pages - stats.num_pending_pages
+               - sum(pages of requests routed here after stats.time - IN_TRANSIT_S)
+
+A request enters that ledger when it is ranked (requests routed at the same moment must see each
+other, or they all pick the same replica) and moves if Serve sends it elsewhere. Entries leave when a
+newer snapshot covers them, not when Serve reports the call done: a finished request is counted for
+at most one stats period (a cautious error), and completion callbacks can fire early for streams.
 
 Replicas where the request fits come first, least loaded after placement first, where load is the
 larger of page usage and the share of ``max_num_seqs`` taken; the rest follow by free pages. Each
@@ -22,6 +29,8 @@ from typing import List, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+IN_TRANSIT_S = 0.05  # a request routed this long before a snapshot may not have reached the replica yet
+
 
 def request_pages(request: dict, tokens_per_page: int, horizon: int) -> int:
     """Pages a request will hold with a KV cache: prompt plus (capped) output."""
@@ -33,8 +42,7 @@ class FitAwareRequestRouter(RequestRouter):
     def initialize_state(self, output_horizon_tokens: int = 256, default_tokens_per_page: int = 16) -> None:
         self.horizon = output_horizon_tokens
         self.default_tokens_per_page = default_tokens_per_page
-        # replica id -> {internal request id: (routed at, pages)}
-        self.routed: dict[ReplicaID, dict[str, tuple[float, int]]] = {}
+        self.routed: dict[ReplicaID, dict[str, tuple[float, int]]] = {}  # replica -> {request: (at, pages)}
 
     async def choose_replicas(
         self, candidate_replicas: List[RunningReplica], pending_request: Optional[PendingRequest] = None,
@@ -45,6 +53,7 @@ class FitAwareRequestRouter(RequestRouter):
         if request is None or not candidate_replicas:
             return [candidate_replicas]
         ranked = sorted(candidate_replicas, key=lambda r: self.rank_key(r, request))
+        self._record(pending_request, ranked[0].replica_id, request)
         return [[r] for r in ranked]
 
     def rank_key(self, replica: RunningReplica, request: dict) -> tuple:
@@ -54,26 +63,36 @@ class FitAwareRequestRouter(RequestRouter):
             return (0, 0.5, queue_len or 0, random.random())
         tokens_per_page = stats.get("tokens_per_page", {}).get("kv", self.default_tokens_per_page)
         need = request_pages(request, tokens_per_page, self.horizon)
-        since = [pages for t, pages in self.routed.get(replica.replica_id, {}).values() if t > stats["time"]]
-        free = stats["num_free_pages"] - sum(pages for pages in since)
+        since = self._routed_since(replica.replica_id, stats["time"] - IN_TRANSIT_S)
+        free = stats["num_free_pages"] - stats.get("num_pending_pages", 0) - sum(since)
         if need > free:
             return (1, -free, queue_len or 0, random.random())
         num_seqs = stats["num_running"] + stats["num_waiting"] + len(since)
         load_after = max(1 - (free - need) / stats["num_pages"], (num_seqs + 1) / stats.get("max_num_seqs", 64))
         return (0, round(load_after, 3), queue_len or 0, random.random())
 
+    def _routed_since(self, replica_id: ReplicaID, covered: float) -> list[int]:
+        """Pages of the requests sent to a replica after its snapshot; forgets the ones it covers."""
+        entries = {rid: (t, pages) for rid, (t, pages) in self.routed.get(replica_id, {}).items() if t > covered}
+        self.routed[replica_id] = entries
+        return [pages for _, pages in entries.values()]
+
+    def _record(self, pending_request: PendingRequest, replica_id: ReplicaID, request: dict) -> None:
+        key = pending_request.metadata.internal_request_id
+        entry = None
+        for entries in self.routed.values():
+            entry = entries.pop(key, None) or entry
+        if entry is None:
+            replica = self.curr_replicas.get(replica_id)
+            stats = (replica.routing_stats or {}) if replica is not None else {}
+            tokens_per_page = stats.get("tokens_per_page", {}).get("kv", self.default_tokens_per_page)
+            entry = (time.time(), request_pages(request, tokens_per_page, self.horizon))
+        self.routed.setdefault(replica_id, {})[key] = entry
+
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         request = _generate_request(pending_request)
-        if request is None:
-            return
-        replica = self.curr_replicas.get(replica_id)
-        stats = (replica.routing_stats or {}) if replica is not None else {}
-        tokens_per_page = stats.get("tokens_per_page", {}).get("kv", self.default_tokens_per_page)
-        self.routed.setdefault(replica_id, {})[pending_request.metadata.internal_request_id] = (
-            time.time(), request_pages(request, tokens_per_page, self.horizon))
-
-    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self.routed.get(replica_id, {}).pop(internal_request_id, None)
+        if request is not None:
+            self._record(pending_request, replica_id, request)  # where it went, if not our first choice
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         self.routed.pop(replica_id, None)

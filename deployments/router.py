@@ -14,7 +14,6 @@ gives a 4xx. A client that disconnects cancels this request; Serve cancels the e
 which aborts the request in the engine and frees its pages.
 """
 
-from __future__ import annotations
 
 import asyncio
 import contextlib
@@ -35,6 +34,7 @@ from apt_serve_ray.model_loader import load_tokenizer, resolve_model
 from deployments import openai_protocol as oai
 from deployments.admission import AdmissionQueue, QueueFull, ScoreWeights, Ticket
 from deployments.request_router import request_pages
+from deployments.streaming import coalesced, merge_items
 
 logger = logging.getLogger("ray.serve")
 
@@ -183,7 +183,8 @@ class Router:
             raise oai.APIError(f"max_tokens: {num_prompt} prompt tokens + max_tokens {body.max_tokens} exceed the "
                                f"model's context of {max_len} tokens", param="max_tokens",
                                code="context_length_exceeded")
-        sampling = body.sampling_kwargs(default_max_tokens=None if chat else 16)
+        room = max_len - num_prompt  # chat defaults to the rest of the context, completions to 16 (OpenAI)
+        sampling = body.sampling_kwargs(default_max_tokens=room if chat else min(16, room))
         try:
             SamplingParams(**sampling)
         except ValueError as exc:
@@ -204,9 +205,13 @@ class Router:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
     async def _model_info(self) -> dict:
+        """The context a request may use: the model's, capped to what one replica's pages can hold
+        with a KV cache (a request larger than the whole pool could never finish)."""
         if self._info is None:
             load = await self.engine.load.remote()
-            self._info = {"max_model_len": load["max_model_len"], "tokens_per_page": load["tokens_per_page"]["kv"]}
+            tokens_per_page = load["tokens_per_page"]["kv"]
+            self._info = {"max_model_len": min(load["max_model_len"], load["num_pages"] * tokens_per_page),
+                          "tokens_per_page": tokens_per_page}
         return self._info
 
     # Admission and the engine call ----------------------------------------------------------------
@@ -242,11 +247,12 @@ class Router:
         stream = None
         try:
             stream = self.engine.options(stream=True).generate.remote(prepared.engine_request)
-            async for item in stream:
-                if "invalid" in item:
-                    raise oai.from_value_error(ValueError(item["invalid"]))
-                started, finished = True, "finish_reason" in item
-                yield item
+            async with contextlib.aclosing(coalesced(stream, merge_items)) as items:
+                async for item in items:
+                    if "invalid" in item:
+                        raise oai.from_value_error(ValueError(item["invalid"]))
+                    started, finished = True, "finish_reason" in item
+                    yield item
         except RayError as exc:
             logger.warning("router: request %s failed in the engine: %r", prepared.request_id, exc)
             raise oai.APIError(f"the engine replica serving this request failed ({type(exc).__name__}); "
@@ -284,10 +290,12 @@ class Router:
                     num_output += len(item["token_ids"])
                     final = "finish_reason" in item
                     if final and (item.get("error") or item["finish_reason"] == "error"):
-                        raise oai.APIError(f"generation failed: {item.get('error')}", status=500, type="server_error")
+                        raise oai.APIError(f"generation failed: {item.get('error')}", status=500,
+                                           type="server_error")
                     if item["text"] or final:
                         yield oai.chunk(rid, body.model, created, chat=chat, text=item["text"],
-                                        reason=oai.finish_reason(item.get("finish_reason")), include_usage=include_usage)
+                                        reason=oai.finish_reason(item.get("finish_reason")),
+                                        include_usage=include_usage)
                     if final:
                         break
                     item = await _next(items)
@@ -295,6 +303,6 @@ class Router:
                 yield exc.body()
                 return
         if include_usage:
-            yield oai.chunk(rid, body.model, created, chat=chat, usage_=oai.usage(first["num_prompt_tokens"], num_output),
-                            include_usage=True)
+            yield oai.chunk(rid, body.model, created, chat=chat,
+                            usage_=oai.usage(first["num_prompt_tokens"], num_output), include_usage=True)
 

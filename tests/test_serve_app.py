@@ -1,0 +1,411 @@
+"""The Ray Serve app end to end: two engine replicas of a tiny MHA model behind the router and the
+controller, driven over HTTP (httpx and the official ``openai`` client) and through Python handles.
+
+One app for the module (its start dominates the cost); the tests that disturb it (memory pressure,
+killing a replica) run last and wait for it to settle.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+
+APP = "apt-test"
+NUM_PAGES = 128  # per replica: 2,048 tokens with a KV cache (opt-tiny: 16 tokens per KV page, 32 per hidden)
+MAX_MODEL_LEN = 2048
+
+
+@pytest.fixture(scope="module")
+def app(serve_url, opt_tiny):
+    from ray import serve
+
+    from deployments.app import build_app
+
+    serve.run(build_app({
+        "model": opt_tiny, "num_replicas": 2, "num_pages": NUM_PAGES, "num_threads": 1, "max_num_seqs": 16,
+        "num_cpus_per_replica": 0.5, "light_watermark": 0.6, "heavy_watermark": 0.85, "max_hidden_ratio": 0.5,
+        "control_interval_s": 0.1, "retry_after_s": 1, "routing_stats_period_s": 0.5, "health_check_period_s": 1,
+    }), name=APP, route_prefix="/")
+    wait_until(lambda: len(controller_state()["replicas"]) == 2, "both engine replicas report")
+    yield opt_tiny
+    serve.delete(APP)
+
+
+@pytest.fixture(scope="module")
+def client(app, serve_url):
+    with httpx.Client(base_url=serve_url, timeout=60) as c:
+        yield c
+
+
+# Helpers ----------------------------------------------------------------------------------------
+def wait_until(check, what: str, timeout: float = 30.0, interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting until {what}")
+
+
+def controller_state() -> dict:
+    from ray import serve
+
+    return serve.get_deployment_handle("Controller", APP).get_state.remote().result()
+
+
+def replicas() -> dict:
+    return controller_state()["replicas"]
+
+
+def all_pages_free() -> bool:
+    loads = replicas().values()
+    return len(loads) == 2 and all(r["num_free_pages"] == r["num_pages"] and r["num_running"] == 0 for r in loads)
+
+
+def sse_payloads(response: httpx.Response) -> list:
+    """The ``data:`` payloads of a server-sent event stream (JSON decoded, ``[DONE]`` as is)."""
+    out = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def assert_openai_error(response: httpx.Response, status: int | None = None) -> dict:
+    assert 400 <= response.status_code < 600, response.text
+    if status is not None:
+        assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
+def completion(client, model, **fields) -> httpx.Response:
+    return client.post("/v1/completions", json={"model": model, "prompt": "The quick brown fox", **fields})
+
+
+# The API ----------------------------------------------------------------------------------------
+def test_models_and_health(client, app):
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == app
+    assert models["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    health = client.get("/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+
+
+def test_completion_non_streaming(client, app):
+    r = completion(client, app, max_tokens=12, temperature=0, ignore_eos=True)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["text"]
+    assert body["usage"]["completion_tokens"] == 12
+    assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + 12
+    assert r.headers["x-replica-id"] in replicas()
+
+
+def test_streaming_matches_non_streaming_and_reports_usage(client, app):
+    full = completion(client, app, max_tokens=16, temperature=0, ignore_eos=True).json()
+    with client.stream("POST", "/v1/completions", json={
+            "model": app, "prompt": "The quick brown fox", "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        payloads = sse_payloads(r)
+    assert payloads[-1] == "[DONE]"
+    chunks = payloads[:-1]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == full["usage"]
+    assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == full["choices"][0]["text"]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert all(c["usage"] is None for c in chunks[:-1])
+
+
+def test_stop_string_and_token_id_prompt(client, app):
+    text = completion(client, app, max_tokens=24, temperature=0, ignore_eos=True).json()["choices"][0]["text"]
+    stop = text.split()[3]
+    cut = completion(client, app, max_tokens=24, temperature=0, ignore_eos=True, stop=[stop]).json()
+    assert cut["choices"][0]["finish_reason"] == "stop"
+    assert cut["choices"][0]["text"] == text[: text.index(stop)]
+    ids = client.post("/v1/completions", json={"model": app, "prompt": [10, 20, 30, 40], "max_tokens": 5,
+                                               "ignore_eos": True}).json()
+    assert ids["usage"] == {"prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9}
+
+
+def test_chat_streaming_and_not(client, app):
+    request = {"model": app, "messages": [{"role": "system", "content": "Be brief."},
+                                          {"role": "user", "content": "Hello!"}],
+               "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    body = client.post("/v1/chat/completions", json=request).json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    message = body["choices"][0]["message"]
+    assert message["role"] == "assistant" and message["content"]
+    assert body["usage"]["completion_tokens"] == 10
+    with client.stream("POST", "/v1/chat/completions", json={**request, "stream": True}) as r:
+        payloads = sse_payloads(r)
+    assert payloads[-1] == "[DONE]"
+    assert payloads[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "".join(p["choices"][0]["delta"].get("content", "") for p in payloads[:-1]) == message["content"]
+    assert payloads[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_openai_client(serve_url, app):
+    import openai
+
+    oc = openai.OpenAI(base_url=serve_url + "/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in oc.models.list()] == [app]
+    done = oc.completions.create(model=app, prompt="Once upon a time", max_tokens=8, temperature=0.8, seed=7,
+                                 extra_body={"ignore_eos": True})
+    again = oc.completions.create(model=app, prompt="Once upon a time", max_tokens=8, temperature=0.8, seed=7,
+                                  extra_body={"ignore_eos": True})
+    assert done.choices[0].text == again.choices[0].text and done.usage.completion_tokens == 8
+    streamed = oc.completions.create(model=app, prompt="Once upon a time", max_tokens=8, temperature=0.8, seed=7,
+                                     stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed) == done.choices[0].text
+    chat = oc.chat.completions.create(
+        model=app, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0,
+        extra_body={"ignore_eos": True, "priority": -1, "ttft_slo_ms": 500})
+    assert chat.choices[0].message.content and chat.usage.completion_tokens == 6
+    stream = oc.chat.completions.create(model=app, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+                                        temperature=0, stream=True, stream_options={"include_usage": True},
+                                        extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 6
+    with pytest.raises(openai.BadRequestError) as info:
+        oc.completions.create(model=app, prompt="x", max_tokens=-1)
+    assert info.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.NotFoundError):
+        oc.completions.create(model="no-such-model", prompt="x")
+
+
+def test_python_handles(app):
+    from ray import serve
+
+    from deployments.openai_protocol import APIError
+
+    handle = serve.get_app_handle(APP)
+    body = handle.completions.remote({"model": app, "prompt": "Hello", "max_tokens": 5, "temperature": 0,
+                                      "ignore_eos": True}).result()
+    assert body["usage"]["completion_tokens"] == 5
+    chunks = list(handle.options(stream=True).completions_stream.remote(
+        {"model": app, "prompt": "Hello", "max_tokens": 5, "temperature": 0, "ignore_eos": True}))
+    assert "".join(c["choices"][0]["text"] for c in chunks) == body["choices"][0]["text"]
+    chat = handle.chat.remote({"model": app, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+                               "ignore_eos": True}).result()
+    assert chat["choices"][0]["message"]["role"] == "assistant" and chat["usage"]["completion_tokens"] == 4
+    deltas = list(handle.options(stream=True).chat_stream.remote(
+        {"model": app, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "ignore_eos": True,
+         "stream_options": {"include_usage": True}}))
+    assert deltas[-1]["usage"]["completion_tokens"] == 4
+    with pytest.raises(APIError) as info:
+        handle.completions.remote({"model": app, "prompt": "x", "temperature": -1}).result()
+    assert info.value.param == "temperature" and info.value.status == 400
+
+
+BAD_REQUESTS = [
+    ("malformed JSON", "/v1/completions", b'{"model": ', 400, None),
+    ("not an object", "/v1/completions", [1, 2], 400, None),
+    ("missing model", "/v1/completions", {"prompt": "x"}, 400, "model"),
+    ("missing prompt", "/v1/completions", {"model": "{m}"}, 400, "prompt"),
+    ("missing messages", "/v1/chat/completions", {"model": "{m}"}, 400, "messages"),
+    ("wrong type: prompt", "/v1/completions", {"model": "{m}", "prompt": 5}, 400, "prompt"),
+    ("wrong type: max_tokens", "/v1/completions", {"model": "{m}", "prompt": "x", "max_tokens": "8"}, 400,
+     "max_tokens"),
+    ("wrong type: stream", "/v1/completions", {"model": "{m}", "prompt": "x", "stream": "yes"}, 400, "stream"),
+    ("unknown model", "/v1/completions", {"model": "gpt-17", "prompt": "x"}, 404, "model"),
+    ("empty messages", "/v1/chat/completions", {"model": "{m}", "messages": []}, 400, "messages"),
+    ("bad role", "/v1/chat/completions", {"model": "{m}", "messages": [{"role": "wizard", "content": "x"}]}, 400,
+     "messages.0.role"),
+    ("empty prompt", "/v1/completions", {"model": "{m}", "prompt": ""}, 400, "prompt"),
+    ("negative max_tokens", "/v1/completions", {"model": "{m}", "prompt": "x", "max_tokens": -5}, 400, "max_tokens"),
+    ("zero max_tokens", "/v1/completions", {"model": "{m}", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("huge max_tokens", "/v1/completions", {"model": "{m}", "prompt": "x", "max_tokens": 10**9}, 400, "max_tokens"),
+    ("prompt over the context", "/v1/completions", {"model": "{m}", "prompt": "hello " * MAX_MODEL_LEN}, 400,
+     "prompt"),
+    ("token ids over the context", "/v1/completions", {"model": "{m}", "prompt": [5] * MAX_MODEL_LEN}, 400, "prompt"),
+    ("prompt + max_tokens over the context", "/v1/completions",
+     {"model": "{m}", "prompt": [5] * 100, "max_tokens": MAX_MODEL_LEN - 99}, 400, "max_tokens"),
+    ("token id out of the vocabulary", "/v1/completions", {"model": "{m}", "prompt": [10**7]}, 400, "prompt"),
+    ("negative temperature", "/v1/completions", {"model": "{m}", "prompt": "x", "temperature": -0.5}, 400,
+     "temperature"),
+    ("top_p above 1", "/v1/completions", {"model": "{m}", "prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ("top_p zero", "/v1/chat/completions", {"model": "{m}", "messages": [{"role": "user", "content": "x"}],
+                                            "top_p": 0}, 400, "top_p"),
+    ("n > 1", "/v1/completions", {"model": "{m}", "prompt": "x", "n": 3}, 400, "n"),
+    ("priority not an int", "/v1/completions", {"model": "{m}", "prompt": "x", "priority": "high"}, 400, "priority"),
+    ("negative ttft_slo_ms", "/v1/completions", {"model": "{m}", "prompt": "x", "ttft_slo_ms": -1}, 400,
+     "ttft_slo_ms"),
+    ("tbt_slo_ms not a number", "/v1/chat/completions", {"model": "{m}", "messages": [{"role": "user", "content": "x"}],
+                                                         "tbt_slo_ms": "fast"}, 400, "tbt_slo_ms"),
+    ("stop not strings", "/v1/completions", {"model": "{m}", "prompt": "x", "stop": [1, 2]}, 400, "stop"),
+]
+
+
+def test_bad_input_gives_openai_errors_and_the_server_keeps_serving(client, app):
+    for name, path, body, status, param in BAD_REQUESTS:
+        if isinstance(body, dict):
+            body = {k: (app if v == "{m}" else v) for k, v in body.items()}
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        r = client.post(path, content=content, headers={"content-type": "application/json"})
+        assert r.status_code == status, (name, r.text[:200])
+        error = assert_openai_error(r, status)
+        assert error["param"] == param, (name, error)
+        if isinstance(body, dict) and param != "stream":  # the same refusal when streaming: a status, not a stream
+            stream_body = json.loads(content)
+            r = client.post(path, json={**stream_body, "stream": True})
+            assert r.status_code == status, (name, r.text[:200])
+            assert_openai_error(r, status)
+    assert client.get("/v1/nope").status_code == 404
+    assert completion(client, app, max_tokens=3).status_code == 200
+
+
+# Routing ----------------------------------------------------------------------------------------
+def test_routing_spreads_load(client, app):
+    def one(i):
+        r = completion(client, app, max_tokens=48, ignore_eos=True, seed=i)
+        assert r.status_code == 200, r.text
+        return r.headers["x-replica-id"]
+
+    with ThreadPoolExecutor(12) as pool:
+        served = list(pool.map(one, range(12)))
+    counts = {rid: served.count(rid) for rid in set(served)}
+    assert len(counts) == 2 and min(counts.values()) >= 3, counts
+
+
+def test_routing_prefers_the_replica_where_the_request_fits(client, app, serve_url):
+    wait_until(all_pages_free, "every page is free")
+    # A 1,500-token prompt holds 94 of a replica's 128 pages: a 600-token one (38 pages) then fits
+    # only on the other replica, whichever replica the first one went to. The big one runs for about
+    # half a second in its engine; the small ones are all routed well within that.
+    big = {"model": app, "prompt": [7] * 1500, "max_tokens": 540, "ignore_eos": True, "stream": True}
+    small = {"model": app, "prompt": [9] * 600, "max_tokens": 8}
+    with httpx.Client(base_url=serve_url, timeout=60) as holder, holder.stream(
+            "POST", "/v1/completions", json=big) as held:
+        next(held.iter_lines())
+        with ThreadPoolExecutor(3) as pool:
+            served = list(pool.map(lambda _: client.post("/v1/completions", json=small), range(3)))
+        full = held.headers["x-replica-id"]
+    assert all(r.status_code == 200 for r in served)
+    assert all(r.headers["x-replica-id"] != full for r in served), [r.headers["x-replica-id"] for r in served]
+
+
+def test_disconnect_aborts_the_request_and_frees_its_pages(client, app, serve_url):
+    wait_until(all_pages_free, "every page is free")
+    aborted_before = sum(r["num_aborted"] for r in replicas().values())
+    with httpx.Client(base_url=serve_url, timeout=60) as c, c.stream("POST", "/v1/completions", json={
+            "model": app, "prompt": [11] * 300, "max_tokens": 1700, "ignore_eos": True, "stream": True}) as r:
+        lines = r.iter_lines()
+        for _ in range(5):
+            next(lines)
+        replica = r.headers["x-replica-id"]
+        wait_until(lambda: replicas()[replica]["num_free_pages"] < NUM_PAGES, "the request holds pages")
+    # Closing the connection mid-stream: the engine aborts the request and its pages come back.
+    wait_until(lambda: sum(r["num_aborted"] for r in replicas().values()) > aborted_before, "the request is aborted",
+               timeout=15)
+    wait_until(all_pages_free, "every page is free again", timeout=15)
+
+
+# The controller ---------------------------------------------------------------------------------
+class PressureLoad:
+    """Long requests sent straight to the engine replicas (around the router's admission) to hold
+    memory; nobody reads them (the engines run regardless) and leaving cancels them."""
+
+    def __init__(self, num_requests: int, prompt_len: int, max_tokens: int) -> None:
+        self.requests = [{"request_id": f"pressure-{i}-{time.time()}", "prompt": [13 + i] * prompt_len,
+                          "sampling": {"max_tokens": max_tokens, "ignore_eos": True},
+                          "num_prompt_tokens": prompt_len, "max_tokens": max_tokens} for i in range(num_requests)]
+
+    def __enter__(self):
+        from ray import serve
+
+        engine = serve.get_deployment_handle("EngineReplica", APP).options(stream=True)
+        self.streams = [engine.generate.remote(r) for r in self.requests]
+        return self
+
+    def __exit__(self, *exc):
+        for stream in self.streams:
+            stream.cancel()
+
+
+def test_controller_applies_the_watermarks_cluster_wide(client, app):
+    wait_until(lambda: (s := controller_state())["admission_open"] and s["cache_ratio"] == 0.0,
+               "the controller is at rest", timeout=30)
+    start = time.time()
+    with PressureLoad(num_requests=8, prompt_len=400, max_tokens=1600):
+        # Above the light watermark: every replica's hidden target rises.
+        wait_until(lambda: all(r["cache_ratio"] > 0 for r in replicas().values()), "replicas raise the hidden ratio")
+        # Above the heavy one: the router refuses new work with 503, Retry-After and an OpenAI error.
+        wait_until(lambda: not controller_state()["admission_open"], "admission closes")
+        r = wait_until(lambda: (r := completion(client, app, max_tokens=2)).status_code == 503 and r,
+                       "the router refuses", timeout=10)
+        assert r.headers["retry-after"] == "1"
+        assert assert_openai_error(r, 503)["code"] == "admission_closed"
+    # Pressure gone: admission opens again and the ratio steps back down to its base.
+    wait_until(lambda: controller_state()["admission_open"], "admission reopens")
+    wait_until(lambda: all(r["cache_ratio"] == 0.0 for r in replicas().values()), "the hidden ratio falls back")
+    assert completion(client, app, max_tokens=2).status_code == 200
+    reasons = [d["reason"] for d in controller_state()["decisions"] if d["time"] >= start]
+    assert any("hidden target 0.00 -> 0.10" in r for r in reasons), reasons
+    assert any("admission off" in r for r in reasons) and any("admission on" in r for r in reasons), reasons
+    wait_until(all_pages_free, "every page is free again")
+
+
+# Failures ---------------------------------------------------------------------------------------
+def test_killed_engine_replica_is_replaced_and_its_requests_fail_cleanly(client, app, serve_url):
+    import ray
+
+    before = replicas()
+    long_request = {"model": app, "prompt": [17] * 200, "max_tokens": 600, "ignore_eos": True, "stream": True}
+    results: dict[int, list] = {}
+
+    def stream(i: int, started: threading.Event, replica_ids: dict) -> None:
+        with httpx.Client(base_url=serve_url, timeout=60) as c, c.stream("POST", "/v1/completions",
+                                                                         json=long_request) as r:
+            replica_ids[i] = r.headers["x-replica-id"]
+            lines = r.iter_lines()
+            next(lines)
+            started.set()
+            results[i] = sse_payloads_from(lines)
+
+    events, replica_ids = [threading.Event() for _ in range(4)], {}
+    threads = [threading.Thread(target=stream, args=(i, events[i], replica_ids), daemon=True) for i in range(4)]
+    for t in threads:
+        t.start()
+    for e in events:
+        assert e.wait(30)
+    victim = replica_ids[0]
+    ray.kill(ray.get_actor(before[victim]["actor_name"], namespace="serve"), no_restart=True)
+    for t in threads:
+        t.join(timeout=60)
+        assert not t.is_alive(), "a stream hung after its replica was killed"
+    for i, payloads in results.items():
+        assert payloads[-1] == "[DONE]"
+        if replica_ids[i] == victim:
+            assert "error" in payloads[-2] and payloads[-2]["error"]["code"] == "engine_failed"
+        else:
+            assert payloads[-2]["choices"][0]["finish_reason"] == "length"
+    # New requests succeed at once (on the survivor), and Serve brings the replica count back to two.
+    for _ in range(3):
+        assert completion(client, app, max_tokens=4).status_code == 200
+    wait_until(lambda: len(r := replicas()) == 2 and victim not in r, "a new replica replaces the killed one",
+               timeout=90, interval=0.5)
+    served = {completion(client, app, max_tokens=4, seed=i).headers["x-replica-id"] for i in range(8)}
+    assert served <= set(replicas())
+
+
+def sse_payloads_from(lines) -> list:
+    out = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out

@@ -1,0 +1,117 @@
+"""The OpenAI wire format (validation and error bodies) and the coalescing of token streams."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from deployments import openai_protocol as oai
+from deployments.streaming import coalesced, merge_items
+
+
+@pytest.mark.parametrize("raw, param", [
+    (b"{not json", None),
+    (b"[]", None),
+    ({"prompt": "x"}, "model"),
+    ({"model": "m", "prompt": 1.5}, "prompt"),
+    ({"model": "m", "prompt": "x", "max_tokens": True}, "max_tokens"),
+    ({"model": "m", "prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"model": "m", "prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"model": "m", "prompt": "x", "echo": True}, "echo"),
+    ({"model": "m", "prompt": ["a", "b"]}, "prompt"),
+    ({"model": "m", "prompt": "x", "tbt_slo_ms": 0}, "tbt_slo_ms"),
+])
+def test_bad_completion_requests_name_the_field(raw, param):
+    with pytest.raises(oai.APIError) as info:
+        request = oai.parse_request(oai.CompletionRequest, raw)
+        request.single_prompt()
+    error = info.value
+    assert error.status == 400 and error.param == param
+    assert set(error.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_chat_requests_accept_text_parts_and_max_completion_tokens():
+    request = oai.parse_request(oai.ChatCompletionRequest, {
+        "model": "m", "max_completion_tokens": 7,
+        "messages": [{"role": "user",
+                      "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}]})
+    assert request.conversation() == [{"role": "user", "content": "Hi there"}]
+    assert request.sampling_kwargs(default_max_tokens=100)["max_tokens"] == 7
+    with pytest.raises(oai.APIError, match="messages.0.role"):
+        oai.parse_request(oai.ChatCompletionRequest, {"model": "m", "messages": [{"role": "bot", "content": "x"}]})
+
+
+def test_library_value_errors_keep_their_field():
+    assert oai.from_value_error(ValueError("top_p: must be in (0, 1], got 2")).param == "top_p"
+    assert oai.from_value_error(ValueError("something odd happened")).param is None
+    overloaded = oai.APIError("busy", status=503, retry_after_s=1.4)
+    assert overloaded.headers() == {"Retry-After": "1"}
+
+
+def test_stream_chunks_follow_openai():
+    chunk = oai.chunk("chatcmpl-1", "m", 1, chat=True, text="", role=True, include_usage=True)
+    assert chunk["choices"][0]["delta"] == {"role": "assistant", "content": ""} and chunk["usage"] is None
+    last = oai.chunk("chatcmpl-1", "m", 1, chat=True, text="", reason="stop")
+    assert last["choices"][0]["delta"] == {} and last["choices"][0]["finish_reason"] == "stop" and "usage" not in last
+    usage = oai.chunk("cmpl-1", "m", 1, chat=False, usage_=oai.usage(3, 4), include_usage=True)
+    assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 7
+    assert oai.sse("[DONE]") == "data: [DONE]\n\n"
+
+
+async def _source(items, delay_after=(), fail_at=None):
+    for i, item in enumerate(items):
+        if i == fail_at:
+            raise RuntimeError("engine died")
+        yield item
+        if i in delay_after:
+            await asyncio.sleep(0.05)
+
+
+def _item(i, **extra):
+    return {"text": str(i), "token_ids": [i], **extra}
+
+
+@pytest.mark.asyncio
+async def test_coalesced_merges_what_piled_up_and_keeps_order():
+    items = [_item(0, replica_id="r"), _item(1), _item(2), _item(3, finish_reason="stop")]
+    out = []
+    async for merged in coalesced(_source(items), merge_items):
+        out.append(merged)
+        await asyncio.sleep(0.01)  # a slow consumer: the rest pile up meanwhile
+    assert "".join(m["text"] for m in out) == "0123"
+    assert [t for m in out for t in m["token_ids"]] == [0, 1, 2, 3]
+    assert len(out) < 4 and out[0]["replica_id"] == "r" and out[-1]["finish_reason"] == "stop"
+
+
+@pytest.mark.asyncio
+async def test_coalesced_passes_items_one_by_one_to_a_fast_consumer_and_raises_errors_in_order():
+    out = [m async for m in coalesced(_source([_item(0), _item(1)], delay_after={0}), merge_items)]
+    assert [m["text"] for m in out] == ["0", "1"]
+    seen = []
+    with pytest.raises(RuntimeError, match="engine died"):
+        async for merged in coalesced(_source([_item(0), _item(1), _item(2)], delay_after={0, 1}, fail_at=2),
+                                      merge_items):
+            seen.append(merged["text"])
+    assert seen == ["0", "1"]
+
+
+@pytest.mark.asyncio
+async def test_closing_coalesced_closes_its_source():
+    closed = asyncio.Event()
+
+    async def endless():
+        try:
+            i = 0
+            while True:
+                yield _item(i)
+                i += 1
+                await asyncio.sleep(0.001)
+        finally:
+            closed.set()
+
+    stream = coalesced(endless(), merge_items)
+    await anext(stream)
+    await stream.aclose()
+    assert closed.is_set()

@@ -1,0 +1,117 @@
+"""FitAwareRequestRouter ranks replicas by where a request fits, on fake replicas (no cluster)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import pytest
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
+from ray.serve.request_router import PendingRequest
+
+from deployments.request_router import FitAwareRequestRouter, request_pages
+
+DEPLOYMENT = DeploymentID(name="EngineReplica", app_name="test")
+
+
+@dataclass
+class FakeReplica:
+    name: str
+    routing_stats: dict = field(default_factory=dict)
+    max_ongoing_requests: int = 100
+
+    @property
+    def replica_id(self) -> ReplicaID:
+        return ReplicaID(self.name, DEPLOYMENT)
+
+
+def stats(free: int, *, pages: int = 128, running: int = 0, waiting: int = 0, pending: int = 0,
+          at: float | None = None) -> dict:
+    return {"time": time.time() - 1 if at is None else at, "num_pages": pages, "num_free_pages": free,
+            "num_pending_pages": pending, "num_running": running, "num_waiting": waiting, "max_num_seqs": 16,
+            "tokens_per_page": {"kv": 16, "hidden": 32}}
+
+
+def pending(num_prompt_tokens: int, max_tokens: int = 16, method: str = "generate", rid: str = "r") -> PendingRequest:
+    request = {"request_id": rid, "prompt": [1] * num_prompt_tokens, "num_prompt_tokens": num_prompt_tokens,
+               "max_tokens": max_tokens}
+    return PendingRequest(args=[request], kwargs={}, metadata=RequestMetadata(
+        request_id=rid, internal_request_id=rid, call_method=method))
+
+
+def make_router(*replicas: FakeReplica) -> FitAwareRequestRouter:
+    router = FitAwareRequestRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(output_horizon_tokens=64)
+    for r in replicas:
+        router.curr_replicas[r.replica_id] = r
+    return router
+
+
+async def choose(router, replicas, request) -> list[str]:
+    ranks = await router.choose_replicas(replicas, request)
+    return [r.name for rank in ranks for r in rank]
+
+
+def test_request_pages_counts_prompt_and_capped_output():
+    assert request_pages({"num_prompt_tokens": 100, "max_tokens": 10}, 16, 64) == 7
+    assert request_pages({"num_prompt_tokens": 100, "max_tokens": 1000}, 16, 64) == 11
+    assert request_pages({"num_prompt_tokens": 100, "max_tokens": None}, 16, 64) == 11
+
+
+@pytest.mark.asyncio
+async def test_a_request_goes_where_it_fits():
+    a, b = FakeReplica("a", stats(free=30)), FakeReplica("b", stats(free=60, running=5))
+    router = make_router(a, b)
+    assert await choose(router, [a, b], pending(600)) == ["b", "a"]  # 39 pages: only b has them
+
+
+@pytest.mark.asyncio
+async def test_among_fits_the_least_loaded_after_placement_wins():
+    a, b = FakeReplica("a", stats(free=40)), FakeReplica("b", stats(free=120))
+    router = make_router(a, b)
+    assert (await choose(router, [a, b], pending(32)))[0] == "b"
+
+
+@pytest.mark.asyncio
+async def test_pending_prompt_pages_count_as_used():
+    a, b = FakeReplica("a", stats(free=128, pending=120)), FakeReplica("b", stats(free=100))
+    router = make_router(a, b)
+    assert (await choose(router, [a, b], pending(320)))[0] == "b"
+
+
+@pytest.mark.asyncio
+async def test_requests_routed_together_see_each_other():
+    a, b = FakeReplica("a", stats(free=128)), FakeReplica("b", stats(free=128))
+    router = make_router(a, b)
+    firsts = [(await choose(router, [a, b], pending(32, rid=f"r{i}")))[0] for i in range(8)]
+    assert firsts.count("a") == firsts.count("b") == 4
+
+
+@pytest.mark.asyncio
+async def test_the_ledger_forgets_what_a_newer_snapshot_covers():
+    a, b = FakeReplica("a", stats(free=128)), FakeReplica("b", stats(free=100))
+    router = make_router(a, b)
+    assert (await choose(router, [a, b], pending(1000, rid="big")))[0] == "a"  # 67 pages
+    assert (await choose(router, [a, b], pending(500, rid="next")))[0] == "b"  # a has 61 left in the ledger
+    a.routing_stats = stats(free=128, at=time.time() + 1)  # the big one finished before this snapshot
+    assert (await choose(router, [a, b], pending(500, rid="later")))[0] == "a"
+
+
+@pytest.mark.asyncio
+async def test_a_request_serve_sends_elsewhere_moves_in_the_ledger():
+    a, b = FakeReplica("a", stats(free=128)), FakeReplica("b", stats(free=128))
+    router = make_router(a, b)
+    request = pending(1000, rid="big")
+    first = (await choose(router, [a, b], request))[0]
+    other = b if first == "a" else a
+    router.on_request_routed(request, other.replica_id, None)
+    assert (await choose(router, [a, b], pending(1000, rid="next")))[0] == first
+
+
+@pytest.mark.asyncio
+async def test_other_calls_and_unknown_replicas_are_left_to_serve():
+    a, b = FakeReplica("a"), FakeReplica("b", stats(free=128))
+    router = make_router(a, b)
+    ranks = await router.choose_replicas([a, b], pending(10, method="load"))
+    assert ranks == [[a, b]]
+    assert sorted(await choose(router, [a, b], pending(10))) == ["a", "b"]  # a has no snapshot yet: still a choice
