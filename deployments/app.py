@@ -8,7 +8,7 @@ engine config is built (and so validated, naming the bad field) before anything 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, PositiveInt, field_validator
 from ray.serve import Application
@@ -83,6 +83,10 @@ class AppArgs(BaseModel):
     output_horizon_tokens: PositiveInt = 256
     routing_stats_period_s: PositiveFloat = 1.0
     health_check_period_s: PositiveFloat = 5.0
+    # Observability: where each process's spans go ("memory" keeps them in the process, for tests),
+    # and whether to keep metric values in memory too (``metrics_snapshot()`` on each deployment).
+    tracing_exporter: Literal["none", "console", "otlp", "memory"] = "none"
+    mirror_metrics: bool = False
 
     @field_validator("heavy_watermark")
     @classmethod
@@ -115,7 +119,8 @@ def build_app(args: AppArgs | dict) -> Application:
     controller = Controller.options(ray_actor_options={"num_cpus": 0}).bind(
         light_watermark=args.light_watermark, heavy_watermark=args.heavy_watermark,
         max_hidden_ratio=args.max_hidden_ratio, hidden_ratio_step=args.hidden_ratio_step,
-        base_cache_ratio=config.cache_ratio, interval_s=args.control_interval_s, retry_after_s=args.retry_after_s)
+        base_cache_ratio=config.cache_ratio, interval_s=args.control_interval_s, retry_after_s=args.retry_after_s,
+        model=args.served_model_name or args.model, mirror_metrics=args.mirror_metrics)
     engine = EngineReplica.options(
         num_replicas=args.num_replicas,
         ray_actor_options={"num_cpus": args.num_cpus_per_replica, "num_gpus": args.num_gpus_per_replica},
@@ -127,7 +132,10 @@ def build_app(args: AppArgs | dict) -> Application:
                                    "default_tokens_per_page": config.block_size},
             request_routing_stats_period_s=args.routing_stats_period_s,
             request_routing_stats_timeout_s=max(args.routing_stats_period_s, 5.0)),
-    ).bind(config, controller, args.policy_weights, args.control_interval_s)
+    ).bind(config, controller, args.policy_weights, args.control_interval_s, {
+        "model_name": args.served_model_name or args.model, "tracing_exporter": args.tracing_exporter,
+        "mirror_metrics": args.mirror_metrics, "light_watermark": args.light_watermark,
+        "heavy_watermark": args.heavy_watermark})
     max_in_flight = (args.max_in_flight_per_replica or config.max_num_seqs) * args.num_replicas
     router_options = {
         "model": args.model, "served_model_name": args.served_model_name, "tokenizer": args.tokenizer,
@@ -135,6 +143,7 @@ def build_app(args: AppArgs | dict) -> Application:
         "max_in_flight": max(1, max_in_flight // args.num_routers), "max_queued_requests": args.max_queued_requests,
         "admission_weights": dataclasses.asdict(ScoreWeights(**args.admission_weights.model_dump())),
         "poll_interval_s": min(0.25, args.control_interval_s),
+        "tracing_exporter": args.tracing_exporter, "mirror_metrics": args.mirror_metrics,
     }
     return Router.options(num_replicas=args.num_routers, ray_actor_options={"num_cpus": args.num_cpus_per_router}
                           ).bind(engine, controller, router_options)

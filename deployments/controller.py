@@ -16,9 +16,9 @@ import time
 from collections import deque
 
 from ray import serve
-from ray.serve.metrics import Counter, Gauge
 
 from apt_serve_ray.scheduler.watermarks import Watermarks
+from deployments.metrics import ControllerMetrics, make_backend, snapshot
 
 logger = logging.getLogger("ray.serve")
 
@@ -28,7 +28,8 @@ logger = logging.getLogger("ray.serve")
 class Controller:
     async def __init__(self, light_watermark: float = 0.7, heavy_watermark: float = 0.9,
                        max_hidden_ratio: float = 0.7, hidden_ratio_step: float = 0.1, base_cache_ratio: float = 0.0,
-                       interval_s: float = 0.5, retry_after_s: float = 2.0) -> None:
+                       interval_s: float = 0.5, retry_after_s: float = 2.0, model: str = "",
+                       mirror_metrics: bool = False) -> None:
         self.watermarks = Watermarks(light_watermark, heavy_watermark, max_hidden_ratio, hidden_ratio_step,
                                      base=base_cache_ratio)
         self.interval_s, self.retry_after_s = interval_s, retry_after_s
@@ -36,12 +37,8 @@ class Controller:
         self.replicas: dict[str, dict] = {}  # replica id -> its last report, plus "received" (monotonic)
         self.usage = 0.0
         self.decisions: deque[dict] = deque(maxlen=200)
-        self._usage_gauge = Gauge("apt_cluster_cache_usage", description="Share of cache pages in use, cluster-wide")
-        self._ratio_gauge = Gauge("apt_hidden_target_ratio", description="Hidden-cache target ratio set on replicas")
-        self._admit_gauge = Gauge("apt_admission_open", description="1 while routers admit new requests")
-        self._replicas_gauge = Gauge("apt_engine_replicas_reporting", description="Engine replicas reporting")
-        self._decisions = Counter("apt_watermark_decisions", description="Watermark decisions that changed a knob",
-                                  tag_keys=("knob",))
+        self._backend = make_backend({"model": model}, mirror_metrics)
+        self.metrics = ControllerMetrics(self._backend)
         self._loop = asyncio.create_task(self._control_loop())
 
     # Called by engine replicas and routers --------------------------------------------------------
@@ -57,6 +54,10 @@ class Controller:
                 "retry_after_s": self.retry_after_s, "replicas": dict(self.replicas),
                 "decisions": list(self.decisions)}
 
+    def metrics_snapshot(self) -> dict:
+        """The metric values kept in memory (``mirror_metrics``; {} otherwise), for tests."""
+        return snapshot(self._backend)
+
     # The control loop -----------------------------------------------------------------------------
     async def _control_loop(self) -> None:
         while True:
@@ -71,7 +72,7 @@ class Controller:
         for replica_id in [r for r, load in self.replicas.items() if now - load["received"] > self.stale_after_s]:
             logger.warning("controller: engine replica %s stopped reporting; dropped", replica_id)
             del self.replicas[replica_id]
-        self._replicas_gauge.set(len(self.replicas))
+        self.metrics.replicas.set(len(self.replicas))
         total = sum(load["num_pages"] for load in self.replicas.values())
         if total == 0:
             return
@@ -85,9 +86,14 @@ class Controller:
             self.decisions.append({"time": time.time(), "usage": self.usage, "cache_ratio": decision.cache_ratio,
                                    "admission_open": decision.admit, "reason": decision.reason + note})
             if decision.cache_ratio != before[0]:
-                self._decisions.inc(tags={"knob": "cache_ratio"})
+                action = "raise_hidden_target" if decision.cache_ratio > before[0] else "lower_hidden_target"
+                self.metrics.actions.inc(1, {"action": action})
             if decision.admit != before[1]:
-                self._decisions.inc(tags={"knob": "admission"})
-        self._usage_gauge.set(self.usage)
-        self._ratio_gauge.set(self.watermarks.ratio)
-        self._admit_gauge.set(1 if self.watermarks.admit else 0)
+                self.metrics.actions.inc(1, {"action": "open_admission" if decision.admit else "close_admission"})
+        self.metrics.usage.set(self.usage)
+        self.metrics.target.set(self.watermarks.ratio)
+        self.metrics.admission.set(1 if self.watermarks.admit else 0)
+        band = ("below_light" if self.usage <= self.watermarks.light else
+                "between" if self.usage <= self.watermarks.heavy else "above_heavy")
+        for state in ("below_light", "between", "above_heavy"):
+            self.metrics.watermark.set(1 if state == band else 0, {"state": state})

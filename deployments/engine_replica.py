@@ -9,9 +9,14 @@ every replica of a deployment, so the replicas report in and the controller answ
 Tokens that pile up while Ray is still sending the previous item travel together (``coalesced``).
 Wire format of one streamed item (every key optional but ``text``/``token_ids``)::
 
-    {"text": "new text", "token_ids": [ids], "replica_id": "ab12" and "num_prompt_tokens": 7 (first item),
+    {"text": "new text", "token_ids": [ids], "replica_id": "ab12", "num_prompt_tokens": 7 and
+     "engine_ttft_s": 0.12 (first item: the engine's own TTFT, which the router subtracts from its own),
      "finish_reason": "stop"|"length"|"abort"|"error", "stop_reason": ..., "num_output_tokens": 9,
      "error": "message", "engine_ttft_s": 0.12, "engine_e2e_s": 1.3 (last item)}
+
+A request may carry ``trace_context`` (a W3C carrier dict): the engine's span for it becomes a child
+of the router's. The replica also keeps the engine's metrics (``EngineMetrics`` into Ray's metrics)
+and its memory timeline (``CacheTracker``; ``memory_timeline()`` draws it).
 
 A request the engine refuses yields one ``{"invalid": "field: what is wrong"}`` item and ends.
 """
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import logging
 import time
 
@@ -27,6 +33,10 @@ import ray
 from ray import serve
 
 from apt_serve_ray import AsyncLLMEngine, EngineConfig, SamplingParams
+from apt_serve_ray.observability import CacheTracker
+from apt_serve_ray.observability.metrics import EngineMetrics
+from apt_serve_ray.observability.tracing import RequestTracer, configure_tracing, finished_spans
+from deployments.metrics import make_backend, snapshot
 from deployments.streaming import coalesced, merge_items
 
 logger = logging.getLogger("ray.serve")
@@ -35,16 +45,28 @@ logger = logging.getLogger("ray.serve")
 @serve.deployment(max_ongoing_requests=256, health_check_period_s=5.0)
 class EngineReplica:
     async def __init__(self, engine_config: EngineConfig, controller=None, policy_options: dict | None = None,
-                       report_interval_s: float = 0.5) -> None:
+                       report_interval_s: float = 0.5, observability: dict | None = None) -> None:
+        """``observability``: ``{"model_name", "tracing_exporter", "mirror_metrics"}`` (all optional)."""
         if policy_options:
             engine_config = engine_config.replace(policy_options={**(engine_config.policy_options or {}),
                                                                    **policy_options})
         self.engine = AsyncLLMEngine(engine_config)
-        self.engine.start()
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         self.actor_name = ray.get_runtime_context().get_actor_name()
         self.model = engine_config.model
+        obs = observability or {}
+        self._metrics = make_backend({}, obs.get("mirror_metrics", False))
+        self.engine.engine.add_observer(EngineMetrics(self._metrics, obs.get("model_name") or self.model,
+                                                      self.replica_id))
+        provider = configure_tracing(obs.get("tracing_exporter", "none"), service_name="apt-serve-engine")
+        if provider is not None:
+            self.engine.engine.add_observer(RequestTracer(provider))
+        self.tracker = CacheTracker(self.engine.engine, min_interval_s=0.1, max_samples=36_000)
+        # The controller's watermarks are the ones that act (the engine's own are off).
+        self.tracker.light = obs.get("light_watermark", self.tracker.light)
+        self.tracker.heavy = obs.get("heavy_watermark", self.tracker.heavy)
+        self.engine.start()
         self.num_requests = 0
         self.num_aborted = 0  # callers that went away (disconnect, cancel) before the end
         # Requests received but not yet prefilled hold no pages yet; the router must still count
@@ -67,8 +89,9 @@ class EngineReplica:
         except (TypeError, ValueError) as exc:
             yield {"invalid": str(exc)}
             return
+        trace = {"trace_context": request["trace_context"]} if request.get("trace_context") else {}
         stream = self.engine.generate(request["prompt"], params, request.get("request_id"),
-                                      **request.get("scheduling", {}))
+                                      **request.get("scheduling", {}), **trace)
         self.num_requests += 1
         finished = False
         key = object()  # not the request id: it may be None (then the engine makes one)
@@ -97,13 +120,15 @@ class EngineReplica:
     def _item(self, out, first: bool = False) -> dict:
         c = out.outputs[0]
         item = {"text": c.delta_text, "token_ids": c.delta_token_ids}
+        m = out.metrics
         if first:
             item["replica_id"] = self.replica_id
             item["num_prompt_tokens"] = len(out.prompt_token_ids)
+            if m is not None and m.first_token_time is not None:
+                item["engine_ttft_s"] = m.first_token_time - m.arrival_time
         if out.finished:
             item.update(finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                         num_output_tokens=len(c.token_ids), error=out.error)
-            m = out.metrics
             if m is not None and m.first_token_time is not None:  # as the engine saw it, for overhead studies
                 item["engine_ttft_s"] = m.first_token_time - m.arrival_time
                 item["engine_e2e_s"] = (m.finish_time or m.last_token_time) - m.arrival_time
@@ -132,6 +157,26 @@ class EngineReplica:
 
     def record_routing_stats(self) -> dict:
         return self.load()
+
+    # Observability --------------------------------------------------------------------------------
+    def memory_timeline(self, format: str = "png", replica_id: str | None = None) -> bytes | dict:
+        """This replica's cache-memory timeline: a PNG, or ``format="json"`` for the recorded series.
+        (``replica_id`` pins the call to this replica; see ``FitAwareRequestRouter``.)"""
+        t = self.tracker
+        if format == "json":
+            return {"replica_id": self.replica_id, "series": t.series(), "crossings": list(t.crossings),
+                    "light_watermark": t.light, "heavy_watermark": t.heavy}
+        buf = io.BytesIO()
+        t.plot_memory_timeline(buf, title=f"cache memory by kind, replica {self.replica_id}")
+        return buf.getvalue()
+
+    def metrics_snapshot(self) -> dict:
+        """The engine's metric values kept in memory (``mirror_metrics``; {} otherwise), for tests."""
+        return snapshot(self._metrics)
+
+    def finished_spans(self) -> list[dict]:
+        """Spans of this process under the "memory" tracing exporter, for tests."""
+        return finished_spans()
 
     # Heartbeat to the controller ------------------------------------------------------------------
     async def _report_loop(self) -> None:

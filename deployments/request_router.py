@@ -17,7 +17,8 @@ at most one stats period (a cautious error), and completion callbacks can fire e
 Replicas where the request fits come first, least loaded after placement first, where load is the
 larger of page usage and the share of ``max_num_seqs`` taken; the rest follow by free pages. Each
 replica is its own rank, so Serve takes our first choice unless that replica's queue is full.
-Calls that are not ``generate`` (control, load) are left to Serve's usual choice.
+Calls that are not ``generate`` (control, load) are left to Serve's usual choice, except that a call
+with a ``replica_id`` keyword goes to that replica only (debug reads such as ``memory_timeline``).
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ class FitAwareRequestRouter(RequestRouter):
     async def choose_replicas(
         self, candidate_replicas: List[RunningReplica], pending_request: Optional[PendingRequest] = None,
     ) -> List[List[RunningReplica]]:
+        pinned = pending_request is not None and (pending_request.kwargs or {}).get("replica_id")
+        if pinned:
+            return [[r for r in candidate_replicas if r.replica_id.unique_id == pinned]]
         request = _generate_request(pending_request)
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True  # no busy loop when every queue is full

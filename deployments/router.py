@@ -12,6 +12,12 @@ One request's way through it:
 The first item is awaited before the HTTP status is sent, so an engine that refuses the request still
 gives a 4xx. A client that disconnects cancels this request; Serve cancels the engine call with it,
 which aborts the request in the engine and frees its pages.
+
+Observability: the router times TTFT as the client sees it (request received -> first token handed
+on) and subtracts the engine's own TTFT (sent with the first item) to get the time spent in the Serve
+path; it counts the requests it refuses or loses (the engine counts those it finishes); with tracing
+on it opens a "router.request" span per request and sends its context along, so the engine's span
+joins the same trace. ``GET /v1/debug/memory_timeline`` draws a replica's cache-memory timeline.
 """
 
 
@@ -20,10 +26,12 @@ import contextlib
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry import trace
+from opentelemetry.propagate import inject
 from ray import serve
 from ray.exceptions import RayError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -31,8 +39,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from apt_serve_ray import SamplingParams
 from apt_serve_ray.llm import apply_chat_template
 from apt_serve_ray.model_loader import load_tokenizer, resolve_model
+from apt_serve_ray.observability.tracing import configure_tracing, finished_spans
 from deployments import openai_protocol as oai
 from deployments.admission import AdmissionQueue, QueueFull, ScoreWeights, Ticket
+from deployments.metrics import RouterMetrics, make_backend, snapshot
 from deployments.request_router import request_pages
 from deployments.streaming import coalesced, merge_items
 
@@ -57,6 +67,7 @@ class Prepared:
     created: int
     engine_request: dict
     ticket: Ticket
+    received: float = field(default_factory=time.monotonic)  # when validation began (monotonic)
 
 
 async def _next(items) -> dict:
@@ -85,6 +96,12 @@ class Router:
         self.state: dict = {}
         self.state_time = 0.0
         self._info: dict | None = None
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self._metrics = make_backend({"model": self.served_model_name, "replica": self.replica_id},
+                                     options.get("mirror_metrics", False))
+        self.metrics = RouterMetrics(self._metrics)
+        provider = configure_tracing(options.get("tracing_exporter", "none"), service_name="apt-serve-router")
+        self.tracer = provider.get_tracer("deployments.router") if provider is not None else None
         self._poller = asyncio.create_task(self._poll_controller())
 
     # HTTP -----------------------------------------------------------------------------------------
@@ -111,6 +128,24 @@ class Router:
             return JSONResponse({"status": "unhealthy", "reason": repr(exc)}, status_code=503)
         return {"status": "ok", "admission_open": self.is_admission_open(),
                 "engine_replicas": len(self.state.get("replicas", {}))}
+
+    @api.get("/v1/debug/memory_timeline")
+    async def http_memory_timeline(self, replica: str | None = None, format: str = "png"):
+        """A replica's cache-memory timeline (pages by kind, usage, hidden target, watermarks): a PNG,
+        or the recorded series with ``format=json``. ``replica``: an id from ``/health``'s
+        ``engine_replicas`` or ``x-replica-id`` (default: any replica)."""
+        if format not in ("png", "json"):
+            return JSONResponse(oai.APIError("format: must be 'png' or 'json'", param="format").body(), status_code=400)
+        known = sorted(self.state.get("replicas", {}))
+        if replica is not None and replica not in known:
+            error = oai.APIError(f"replica: unknown engine replica {replica!r}; known: {known}", status=404,
+                                 param="replica")
+            return JSONResponse(error.body(), status_code=404)
+        call = self.engine.memory_timeline.remote(format, **({"replica_id": replica} if replica else {}))
+        result = await asyncio.wait_for(call, timeout=30)
+        if format == "json":
+            return result
+        return Response(result, media_type="image/png")
 
     async def _http(self, request: Request, chat: bool):
         try:
@@ -163,8 +198,27 @@ class Router:
                 raise oai.APIError(payload["error"]["message"], status=500, type=payload["error"]["type"])
             yield payload
 
+    # Test hooks -----------------------------------------------------------------------------------
+    def metrics_snapshot(self) -> dict:
+        """The router's metric values kept in memory (``mirror_metrics``; {} otherwise)."""
+        return snapshot(self._metrics)
+
+    def finished_spans(self) -> list[dict]:
+        """Spans of this process under the "memory" tracing exporter."""
+        return finished_spans()
+
     # Validation -----------------------------------------------------------------------------------
     async def prepare(self, raw: bytes | dict, chat: bool) -> Prepared:
+        received = time.monotonic()
+        try:
+            prepared = await self._validate(raw, chat)
+        except oai.APIError:
+            self.metrics.outcome("invalid")
+            raise
+        prepared.received = received
+        return prepared
+
+    async def _validate(self, raw: bytes | dict, chat: bool) -> Prepared:
         body = oai.parse_request(oai.ChatCompletionRequest if chat else oai.CompletionRequest, raw)
         if body.model != self.served_model_name:
             raise oai.APIError(f"model: the model `{body.model}` does not exist; this server serves "
@@ -232,6 +286,29 @@ class Router:
             await asyncio.sleep(self.poll_interval_s)
 
     async def _generate(self, prepared: Prepared):
+        """Engine items for one request, after admission, in a "router.request" span when tracing."""
+        span = None
+        if self.tracer is not None:
+            span = self.tracer.start_span("router.request", attributes={"request.id": prepared.request_id})
+            carrier: dict[str, str] = {}
+            inject(carrier, context=trace.set_span_in_context(span))
+            prepared.engine_request["trace_context"] = carrier
+        outcome = "cancelled"  # the caller stopped before the end
+        try:
+            async with contextlib.aclosing(self._admitted_items(prepared, span)) as items:
+                async for item in items:
+                    outcome = item.get("finish_reason", outcome)
+                    yield item
+        except oai.APIError as exc:
+            outcome = {503: "rejected", 429: "rejected"}.get(exc.status, "invalid" if exc.status < 500 else "error")
+            self.metrics.outcome(outcome)
+            raise
+        finally:
+            if span is not None:
+                span.set_attribute("request.outcome", outcome)
+                span.end()
+
+    async def _admitted_items(self, prepared: Prepared, span):
         """Engine items for one request, after admission. Raises APIError before the first item."""
         if not self.is_admission_open():
             raise oai.APIError("the server is at its memory limit and admits no new requests; retry later",
@@ -243,6 +320,8 @@ class Router:
             raise oai.APIError(f"too many requests are waiting: {exc}; retry later", status=429,
                                type="rate_limit_exceeded", code="queue_full",
                                retry_after_s=self.state.get("retry_after_s", 2.0)) from None
+        if span is not None:
+            span.add_event("admitted")
         started = finished = False
         stream = None
         try:
@@ -251,6 +330,10 @@ class Router:
                 async for item in items:
                     if "invalid" in item:
                         raise oai.from_value_error(ValueError(item["invalid"]))
+                    if not started:
+                        self.metrics.first_token(time.monotonic() - prepared.received, item.get("engine_ttft_s"))
+                        if span is not None:
+                            span.add_event("first_token")
                     started, finished = True, "finish_reason" in item
                     yield item
         except RayError as exc:

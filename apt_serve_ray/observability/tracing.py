@@ -2,8 +2,9 @@
 
 The caller (the router) injects its context into a plain dict carrier (W3C ``traceparent``) and sends
 it with the request; the engine extracts it, so router and engine spans share one trace across the
-Ray handle call. Exporter by configuration: "none" (default), "console", or "otlp" when
-``opentelemetry-exporter-otlp`` is installed.
+Ray handle call. Exporter by configuration: "none" (default), "console", "otlp" when
+``opentelemetry-exporter-otlp`` is installed, or "memory" (kept in the process, for tests:
+``finished_spans()``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from opentelemetry.propagate import extract, inject
 
 from apt_serve_ray.observability.observer import EngineObserver, RequestEvent
 
-EXPORTERS = ("none", "console", "otlp")
+EXPORTERS = ("none", "console", "otlp", "memory")
 _configured: dict[str, object] = {}
 
 
@@ -29,6 +30,17 @@ def configure_tracing(exporter: str = "none", service_name: str = "apt-serve-ray
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 
+    if exporter == "memory":
+        from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+        span_exporter = InMemorySpanExporter()
+        provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+        provider.add_span_processor(SimpleSpanProcessor(span_exporter))
+        provider.memory_exporter = span_exporter
+        trace.set_tracer_provider(provider)
+        _configured[exporter] = provider
+        return provider
     if exporter == "console":
         span_exporter = ConsoleSpanExporter()
     else:
@@ -42,6 +54,17 @@ def configure_tracing(exporter: str = "none", service_name: str = "apt-serve-ray
     trace.set_tracer_provider(provider)
     _configured[exporter] = provider
     return provider
+
+
+def finished_spans() -> list[dict]:
+    """Spans the "memory" exporter holds in this process, as plain dicts (ids in hex)."""
+    provider = _configured.get("memory")
+    if provider is None:
+        return []
+    return [{"name": s.name, "trace_id": f"{s.context.trace_id:032x}", "span_id": f"{s.context.span_id:016x}",
+             "parent_span_id": f"{s.parent.span_id:016x}" if s.parent else None,
+             "events": [e.name for e in s.events], "attributes": dict(s.attributes or {})}
+            for s in provider.memory_exporter.get_finished_spans()]
 
 
 def current_context_carrier() -> dict[str, str]:
