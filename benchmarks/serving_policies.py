@@ -1,0 +1,406 @@
+"""SLO attainment and effective throughput, policy against policy, on one model, page budget and trace.
+
+    python benchmarks/serving_policies.py --quick [--json docs/benchmarks/serving_policies_quick.json]
+
+(from the repository root, with the package installed or ``PYTHONPATH=.``). ``--quick`` takes 6-8
+minutes on a 2-core CPU; without it (48 requests per rate, 5 rates, ``max_model_len`` 1024, outputs
+<= 128) about 1.5 hours. Results and their reading: ``docs/benchmarks/serving_policies.md``.
+
+What it runs (SPEC section 3, issue 5)
+--------------------------------------
+* Model: a random-weight OPT-125m-shape checkpoint in bfloat16 (MHA, so a hidden page holds 2x the
+  tokens of a KV page), built once under ``--cache-dir``.
+* Memory: 378 pages of 16 tokens = 6,048 tokens of K/V (~223 MB in bf16), the bytes of the vLLM
+  peer's ``--block-size 32 --num-gpu-blocks-override 189`` (SPEC section 3). ``--quick`` halves the
+  lengths (``max_model_len`` 512) and the pages with them (189 = 3,024 KV tokens): a ShareGPT-like
+  request then holds ~270 tokens and a LongBench-like one ~450, so 6 to 11 requests fit with a full
+  KV cache and memory, not ``--max-num-seqs 64``, caps the batch (the runs' peak pages show it).
+* Workloads: ``workloads.make_trace`` ShareGPT-like and LongBench-like traces (Gamma arrivals,
+  ``--cv``), outputs fixed per request (ignore EOS) and capped (quick: 64 / 32 tokens); one base trace
+  per workload, re-timed for every rate (``with_rate``: same requests, gaps rescaled), the same trace
+  per rate for every policy.
+* Policies, one engine each, loaded once and reused for every rate and workload (``driver.reset``
+  checks each run leaves it idle with every page free); all with the same token budget
+  (``--max-num-batched-tokens``), ``cache_ratio=0`` and the watermarks off:
+
+  - ``fcfs``, ``sarathi``, ``priority``: the vLLM-style baselines, KV pages only (hidden target 0).
+    Every trace request has priority 0, so ``priority`` makes sarathi's decisions: its spread
+    against ``sarathi`` is a read-out of the run-to-run noise of this machine.
+  - ``apt``: the adaptive policy with the hybrid cache; rho and its step-time model are calibrated
+    by the engine at start (``calibrate_rho=True``: the path a user gets), recorded in the JSON.
+  - ``apt-kv``: the same policy with the hybrid cache OFF, by clearing ``hidden_allowed`` on the
+    engine and its scheduler -- the flag the engine itself clears for grouped-query models -- so the
+    policy sees ``ctx.hidden_allowed == False`` and never offers the hidden kind. (A huge rho would
+    not do it: when every request has missed, ``U = 0`` and the hidden price ``U * rho * m`` is 0;
+    ``cache_ratio`` is not read by ``apt``.) ``EngineConfig`` has no field for it yet.
+  - ``apt-v2`` / ``apt-v2-kv`` (only when named in ``--policies``): a scratch variant of ``apt`` defined
+    in this file (``AptV2``) to measure proposed changes; not part of the library.
+* Rates are swept with the policies interleaved per rate in a rotating order, so slow phases of a
+  shared machine hit every policy alike; ``--repeats N`` runs each (rate, policy) N times and
+  averages the attainment. ``--threads 1``: on a shared 2-core machine two torch
+  threads spin against other processes and steps get several times slower.
+* SLOs: ``--ttft-slo-ms`` / ``--tbt-slo-ms`` (default 4,000 / 1,000 ms: the SPEC's TTFT for the peer
+  and its looser TBT, as one 512-token prefill chunk alone takes ~0.5 s with one CPU thread), or
+  ``--slo-scale S``: S x the unloaded TTFT / TPOT measured per workload at the start
+  (``driver.measure_unloaded_latency``: the trace's P90 prompt, one request at a time).
+* Effective throughput: ``slo_metrics.effective_throughput`` at 90% and 60% attainment (if every
+  rate passes, it is the highest rate measured: the sweep did not find the limit).
+
+``--simulate`` runs the same traces, policies and page pool on ``SimulatedEngine``'s clock with the
+cost model calibrated here (``SIM_COST``): deterministic, seconds instead of minutes, for diagnosis
+(60+ requests, dense rates); it is not a measurement of the engine.
+
+Outputs: a table on stdout; ``--json`` (``effective_throughput[workload][policy]["90"|"60"]`` in req/s,
+per-run summaries incl. TTFT vs TBT misses, preemptions by cause, peak pages by kind, scheduler
+ms/iteration, the calibrations and the git state); PNG plots in ``--out-dir``: attainment vs rate,
+TTFT / inter-token-gap CDFs at the highest rate, the memory timeline by cache kind of apt there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from apt_serve_ray import LLM
+from apt_serve_ray.bench import plots
+from apt_serve_ray.bench.driver import measure_unloaded_latency, replay, replay_simulated
+from apt_serve_ray.bench.simulator import MHA_LAYOUT, CostModel, SimulatedEngine
+from apt_serve_ray.bench.slo_metrics import effective_throughput
+from apt_serve_ray.bench.workloads import make_trace, with_rate
+from apt_serve_ray.checkpoints import make_random_checkpoint
+from apt_serve_ray.config import EngineConfig
+from apt_serve_ray.scheduler.policies.apt import AdaptiveScheduler
+
+_DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "apt-serve-ray"
+_REPO = Path(__file__).resolve().parent.parent
+DEFAULT_POLICIES = ("fcfs", "sarathi", "priority", "apt", "apt-kv")
+
+
+# A scratch variant of apt for study (not in the library) -----------------------------------------
+class _GrowthReserve:
+    """The scheduling context with ``reserve`` free pages hidden from the policy's capacity sums."""
+
+    def __init__(self, ctx, reserve: int) -> None:
+        self._ctx, self._reserve = ctx, reserve
+
+    def __getattr__(self, name):
+        return getattr(self._ctx, name)
+
+    @property
+    def num_free_pages(self) -> int:
+        return max(0, self._ctx.num_free_pages - self._reserve)
+
+
+class AptV2(AdaptiveScheduler):
+    """``apt`` with three changes, each a few lines in apt.py (see the report):
+
+    1. Prefill-first steps leave one token of the budget per decode. ``_prefill_budget`` returns up to
+       the whole token budget; when the waiting out-wait the running, prefills run first and take all
+       of it, every decode skips that step, and its gap doubles (~1.2 s for a 512-token chunk).
+    2. A growth reserve of one page per running request in the knapsack's capacity, so admissions
+       leave room for the running to grow instead of forcing memory preemptions a few steps later.
+    3. The step-time model prices the hidden recompute (``bind`` fits it without rho, so
+       ``hidden_seconds_per_token`` is 0 and the TBT-sized prefill budget ignores hidden requests).
+    """
+
+    name = "apt-v2"
+
+    def bind(self, engine) -> None:
+        super().bind(engine)
+        if self.rho and getattr(self.step_model, "hidden_seconds_per_token", None) == 0.0:
+            self.step_model = dataclasses.replace(
+                self.step_model, hidden_seconds_per_token=self.rho / engine.config.block_size)
+
+    def schedule(self, ctx) -> None:
+        super().schedule(_GrowthReserve(ctx, len(ctx.running)))
+
+    def _prefill_budget(self, ctx, candidates, decodes, missed, is_hidden) -> int:
+        budget = super()._prefill_budget(ctx, candidates, decodes, missed, is_hidden)
+        return min(budget, max(1, ctx.token_budget - len(decodes)))
+
+
+# Scratch variants: name -> (AdaptiveScheduler subclass, hybrid cache on). Not in the default set.
+PROTOTYPES: dict[str, tuple[type, bool]] = {"apt-v2": (AptV2, True), "apt-v2-kv": (AptV2, False)}
+
+# Per-mode defaults (per workload where a dict).
+MODES = {
+    "quick": dict(num_requests={"sharegpt": 12, "longbench": 10}, max_model_len=512, num_pages=189,
+                  max_output_len={"sharegpt": 64, "longbench": 32},
+                  rates={"sharegpt": (2.0, 4.0, 8.0), "longbench": (0.6, 1.2, 2.4)}),
+    "full": dict(num_requests={"sharegpt": 48, "longbench": 48}, max_model_len=1024, num_pages=378,
+                 max_output_len={"sharegpt": 128, "longbench": 128},
+                 rates={"sharegpt": (0.5, 1.0, 1.5, 2.0, 3.0), "longbench": (0.15, 0.3, 0.45, 0.6, 0.9)}),
+}
+
+
+# Engines -----------------------------------------------------------------------------------------
+def disable_hybrid(llm: LLM) -> None:
+    """KV pages only: the engine's own switch for models where the hidden kind saves nothing."""
+    engine = llm.llm_engine
+    engine.hidden_allowed = False
+    engine.scheduler.hidden_allowed = False
+    engine.scheduler.set_cache_ratio(0.0)
+
+
+def build_engine(name: str, path: str, args) -> LLM:
+    is_apt = name.startswith("apt")
+    llm = LLM(path, policy="apt" if is_apt else name, calibrate_rho=is_apt, dtype="bfloat16",
+              num_pages=args.num_pages, max_model_len=args.max_model_len,
+              max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+              num_threads=args.threads, cache_ratio=0.0, enable_watermarks=False)
+    hybrid = name == "apt"
+    if name in PROTOTYPES:
+        cls, hybrid = PROTOTYPES[name]
+        calibrated = llm.llm_engine.scheduler.policy
+        llm.set_scheduler(cls(rho=calibrated.rho, step_model=calibrated.step_model))
+    if is_apt and not hybrid:
+        disable_hybrid(llm)
+    return llm
+
+
+class EngineRunner:
+    """Real runs: one engine for the policy, replayed in real time."""
+
+    def __init__(self, name: str, path: str, args) -> None:
+        self.llm = build_engine(name, path, args)
+
+    def warm_up(self, base) -> None:  # first-call allocations, off the clock
+        measure_unloaded_latency(self.llm, base, num_requests=1, output_len=4)
+
+    def run(self, trace, slo: dict, args, desc: str, run_id: str):
+        return replay(self.llm, trace, ttft_slo_ms=slo["ttft_ms"], tbt_slo_ms=slo["tbt_ms"],
+                      progress=not args.no_progress, timeout_s=args.timeout_s, desc=desc, run_id=run_id)
+
+    def calibration(self) -> dict | None:
+        policy = self.llm.llm_engine.scheduler.policy
+        if not hasattr(policy, "rho"):
+            return None
+        m = getattr(policy, "step_model", None)
+        return {"rho_s_per_page": policy.rho, "hidden_allowed": self.llm.llm_engine.hidden_allowed,
+                "step_model": None if m is None else {"a": m.a, "b": m.b, "c": m.c, "r2": m.r2,
+                                                      "hidden_s_per_token": m.hidden_seconds_per_token}}
+
+
+# The cost model calibrated for this shape on this project's 2-core CPU machines, 1 thread, bf16
+# (benchmarks/policy_simulation.py, docs/benchmarks.md): per step, per computed token, per context
+# token, per hidden context token; rho from benchmarks/hidden_cache_cost.py.
+SIM_COST = CostModel(base_s=0.0195, per_token_s=0.00113, per_context_s=0.000015, hidden_context_s=0.000139)
+SIM_RHO = 0.00222
+
+
+class SimulatedRunner:
+    """``--simulate``: the same policy, page pool and trace on a simulated clock (``SIM_COST``)."""
+
+    def __init__(self, name: str, args) -> None:
+        self.name, self.args = name, args
+
+    def warm_up(self, base) -> None:
+        pass
+
+    def run(self, trace, slo: dict, args, desc: str, run_id: str):
+        name, is_apt = self.name, self.name.startswith("apt")
+        config = EngineConfig(policy="apt" if is_apt else name, calibrate_rho=False, enable_watermarks=False,
+                              max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
+        policy, hybrid = None, name == "apt"
+        if is_apt:
+            cls, hybrid = PROTOTYPES.get(name, (AdaptiveScheduler, hybrid))
+            policy = cls(config=config, rho=SIM_RHO, step_model=SIM_COST)
+        sim = SimulatedEngine(config, layout=MHA_LAYOUT, num_pages=args.num_pages, cost=SIM_COST, policy=policy,
+                              max_model_len=args.max_model_len)
+        if is_apt and not hybrid:
+            sim.hidden_allowed = sim.scheduler.hidden_allowed = False
+        return replay_simulated(sim, trace, ttft_slo_ms=slo["ttft_ms"], tbt_slo_ms=slo["tbt_ms"])
+
+    def calibration(self) -> dict | None:
+        return {"rho_s_per_page": SIM_RHO, "cost_model": dataclasses.asdict(SIM_COST)} if self.name.startswith("apt") else None
+
+
+# One workload ------------------------------------------------------------------------------------
+def _per_workload(value, workload: str):
+    return value[workload] if isinstance(value, dict) else value
+
+
+def run_workload(workload: str, runners: dict, args) -> dict:
+    base = make_trace(workload, _per_workload(args.num_requests, workload), 1.0, cv=args.cv, seed=args.seed,
+                      max_model_len=args.max_model_len)  # token ids: replay fills them, seeded
+    cap = _per_workload(args.max_output_len, workload)
+    base = [dataclasses.replace(r, output_len=min(r.output_len, cap)) for r in base]
+    for runner in runners.values():
+        runner.warm_up(base)
+    slo = {"ttft_ms": args.ttft_slo_ms, "tbt_ms": args.tbt_slo_ms, "scale": None}
+    if args.slo_scale is not None:
+        if args.simulate:
+            raise SystemExit("--slo-scale needs real runs (it measures the engine); give --ttft-slo-ms/--tbt-slo-ms")
+        unloaded = measure_unloaded_latency(runners.get("sarathi", next(iter(runners.values()))).llm, base)
+        slo = {"ttft_ms": args.slo_scale * unloaded["ttft_ms"], "tbt_ms": args.slo_scale * unloaded["tpot_ms"],
+               "scale": args.slo_scale, "unloaded": unloaded}
+    rates = sorted(args.rates or MODES[args.mode]["rates"][workload])
+    policies = list(runners)
+    runs: dict[str, list[dict]] = {p: [] for p in policies}
+    results = {}
+    print(f"\n== {workload}: {len(base)} requests, prompt mean {statistics.mean(r.prompt_len for r in base):.0f}, "
+          f"output mean {statistics.mean(r.output_len for r in base):.0f} tokens; SLO TTFT {slo['ttft_ms']:.0f} ms, "
+          f"P99 gap {slo['tbt_ms']:.0f} ms", flush=True)
+    k = 0
+    for rate in rates:
+        trace = with_rate(base, rate, cv=args.cv, seed=args.seed)
+        for repeat in range(args.repeats):
+            k += 1
+            for name in policies[k % len(policies):] + policies[: k % len(policies)]:
+                t = time.perf_counter()
+                result = runners[name].run(trace, slo, args, f"{workload} {rate:g}/s {name}",
+                                           f"{workload}-{rate:g}-{repeat}-{name}")
+                s = result.summary()
+                runs[name].append({"rate": rate, "repeat": repeat, "wall_s": time.perf_counter() - t, "summary": s})
+                results.setdefault((name, rate), result)
+                _print_run(rate, name, s, time.perf_counter() - t)
+    eff, attainment = {}, {}
+    for name in policies:
+        attainment[name] = _mean_attainment(runs[name])
+        eff[name] = {"90": effective_throughput(attainment[name], 0.9),
+                     "60": effective_throughput(attainment[name], 0.6)}
+    _plots(workload, attainment, results, rates, slo, args)
+    return {"slo": slo, "rates": rates, "effective_throughput": eff, "attainment": attainment, "runs": runs,
+            "trace": {"num_requests": len(base), "prompt_lens": [r.prompt_len for r in base],
+                      "output_lens": [r.output_len for r in base]}}
+
+
+def _mean_attainment(runs: list[dict]) -> list[tuple[float, float]]:
+    """(rate, attainment averaged over the repeats at that rate), by rate."""
+    by_rate: dict[float, list[float]] = {}
+    for r in runs:
+        by_rate.setdefault(r["rate"], []).append(r["summary"]["slo_attainment"])
+    return [(rate, statistics.mean(v)) for rate, v in sorted(by_rate.items())]
+
+
+def _print_run(rate: float, name: str, s: dict, wall_s: float) -> None:
+    print(f"  {rate:5.2f} req/s {name:9s} attain {100 * s['slo_attainment']:5.1f}%  "
+          f"miss ttft/tbt {s['ttft_misses']:2d}/{s['tbt_misses']:2d}  preempt {s['num_preemptions']:3d} "
+          f"{s['preempt_causes'] or ''}  peak kv/hid {s['peak_pages']['kv']:3d}/{s['peak_pages']['hidden']:3d}  "
+          f"ttft mean {s['mean_ttft_ms']:6.0f} p99 itl {s['p99_itl_ms']:5.0f} ms  "
+          f"unfinished {s['num_unfinished']}  {wall_s:4.0f}s", flush=True)
+
+
+def _plots(workload, attainment, results, rates, slo, args) -> None:
+    tag = f"{workload}{'_quick' if args.mode == 'quick' else ''}{'_sim' if args.simulate else ''}"
+    title = f"{workload}: TTFT < {slo['ttft_ms']:.0f} ms, P99 gap < {slo['tbt_ms']:.0f} ms"
+    plots.plot_attainment(attainment, args.out_dir / f"attainment_{tag}.png", title=title)
+    top = rates[-1]  # the highest rate: where the policies differ most
+    plots.plot_latency_cdfs({p: results[(p, top)].timelines for p in attainment}, args.out_dir / f"cdf_{tag}.png",
+                            title=f"{workload} at {top:g} req/s", ttft_slo_ms=slo["ttft_ms"], tbt_slo_ms=slo["tbt_ms"])
+    apt = "apt" if "apt" in attainment else next(iter(attainment))
+    run = results[(apt, top)]
+    plots.plot_memory_timeline(run.memory_dict(), run.num_pages, args.out_dir / f"memory_{tag}_{apt}.png",
+                               title=f"{workload} at {top:g} req/s, {apt}")
+
+
+# Report ------------------------------------------------------------------------------------------
+def print_table(report: dict) -> None:
+    print("\nEffective throughput (req/s): highest rate with SLO attainment >= 90% / >= 60%")
+    for workload, w in report["workloads"].items():
+        eff = w["effective_throughput"]
+        print(f"\n{workload} (SLO TTFT {w['slo']['ttft_ms']:.0f} ms, P99 gap {w['slo']['tbt_ms']:.0f} ms; "
+              f"rates {w['rates']})")
+        print(f"  {'policy':10s} {'@90%':>7s} {'@60%':>7s}   attainment % per rate")
+        for p, e in eff.items():
+            att = " ".join(f"{100 * a:5.1f}" for _, a in w["attainment"][p])
+            print(f"  {p:10s} {e['90']:7.3f} {e['60']:7.3f}   {att}")
+        for apt in (p for p in eff if p.startswith("apt")):
+            for base in (b for b in ("fcfs", "sarathi") if b in eff):
+                print(f"  {apt + ' / ' + base:20s} " + "  ".join(
+                    f"@{t}%: {_ratio(eff[apt][t], eff[base][t])}" for t in ("90", "60")))
+
+
+def _ratio(a: float, b: float) -> str:
+    if b > 0:
+        return f"{a / b:.2f}x"
+    return "n/a (baseline 0)" if a > 0 else "n/a"
+
+
+def _git_state() -> dict:
+    def git(*cmd):
+        try:
+            return subprocess.run(["git", *cmd], cwd=_REPO, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    return {"commit": git("rev-parse", "HEAD"), "dirty": git("status", "--porcelain", "--", "apt_serve_ray").splitlines()}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="10-12 requests x 3 rates, max_model_len 512, short outputs")
+    ap.add_argument("--workloads", nargs="+", default=["sharegpt", "longbench"])
+    ap.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES),
+                    help=f"any of {' '.join(DEFAULT_POLICIES)} (default all){' or ' if PROTOTYPES else ''}"
+                         f"{' '.join(PROTOTYPES)}")
+    ap.add_argument("--rates", type=float, nargs="+", default=None, help="req/s (default: per workload and mode)")
+    ap.add_argument("--num-requests", type=int, default=None)
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--max-output-len", type=int, default=None)
+    ap.add_argument("--num-pages", type=int, default=None, help="pages of 16 tokens (default 378; quick 189)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    ap.add_argument("--cv", type=float, default=1.0, help="arrival burstiness (1 = Poisson)")
+    ap.add_argument("--repeats", type=int, default=1, help="runs per (rate, policy); attainment is their mean")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ttft-slo-ms", type=float, default=4000.0)
+    ap.add_argument("--tbt-slo-ms", type=float, default=1000.0)
+    ap.add_argument("--slo-scale", type=float, default=None, help="SLO = scale x unloaded TTFT / TPOT (overrides ms)")
+    ap.add_argument("--timeout-s", type=float, default=300.0, help="per run, after the last arrival")
+    ap.add_argument("--cache-dir", type=Path, default=_DEFAULT_CACHE)
+    ap.add_argument("--out-dir", type=Path, default=_REPO / "docs" / "benchmarks")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--simulate", action="store_true",
+                    help="simulated clock with the calibrated CPU cost model instead of the engine (seconds, exact)")
+    args = ap.parse_args(argv)
+    args.mode = "quick" if args.quick else "full"
+    for key in ("num_requests", "max_model_len", "max_output_len", "num_pages"):
+        if getattr(args, key) is None:
+            setattr(args, key, MODES[args.mode][key])
+    unknown = set(args.policies) - set(DEFAULT_POLICIES) - set(PROTOTYPES)
+    if unknown:
+        ap.error(f"--policies: unknown {sorted(unknown)}; valid: {list(DEFAULT_POLICIES) + list(PROTOTYPES)}")
+    if args.slo_scale is not None and not args.slo_scale > 0:
+        ap.error("--slo-scale: must be > 0")
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+
+    start = time.perf_counter()
+    if args.simulate:
+        runners = {name: SimulatedRunner(name, args) for name in args.policies}
+    else:
+        path = make_random_checkpoint(args.cache_dir / "opt-125m-bf16", "opt-125m", dtype="bfloat16")
+        runners = {name: EngineRunner(name, path, args) for name in args.policies}
+    calibration = {name: c for name, r in runners.items() if (c := r.calibration()) is not None}
+    print(f"{'simulated' if args.simulate else 'engines'} ready in {time.perf_counter() - start:.0f}s: "
+          f"{list(runners)}; rho (ms/page) "
+          + ", ".join(f"{n} {1000 * c['rho_s_per_page']:.2f}" for n, c in calibration.items()), flush=True)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    report = {
+        "command": " ".join(["benchmarks/serving_policies.py"] + (argv if argv is not None else sys.argv[1:])),
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "git": _git_state(), "calibration": calibration, "workloads": {},
+    }
+    for workload in args.workloads:
+        report["workloads"][workload] = run_workload(workload, runners, args)
+    report["effective_throughput"] = {w: r["effective_throughput"] for w, r in report["workloads"].items()}
+    report["wall_s"] = time.perf_counter() - start
+    print_table(report)
+    print(f"\ntotal {report['wall_s']:.0f}s; plots in {args.out_dir}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
