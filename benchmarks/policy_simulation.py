@@ -36,10 +36,10 @@ def simulate(policy: str, trace, args, cost: CostModel, rho: float) -> dict:
                           default_tbt_slo_ms=args.tbt_slo_ms)
     scheduler = None
     if policy.startswith("apt"):
-        # apt-kv-only: the same policy with the hybrid cache off (hidden never worth its price).
-        scheduler = AdaptiveScheduler(config=config, rho=float("1e9") if policy == "apt-kv-only" else rho,
-                                      step_model=cost)
+        scheduler = AdaptiveScheduler(config=config, rho=rho, step_model=cost)
     sim = SimulatedEngine(config, layout=MHA_LAYOUT, num_pages=args.num_pages, cost=cost, policy=scheduler)
+    if policy == "apt-kv-only":  # the hybrid cache off: the engine's own switch for GQA models
+        sim.hidden_allowed = sim.scheduler.hidden_allowed = False
     pending, requests = list(trace), []
     while pending or sim.scheduler.num_unfinished:
         while pending and pending[0].arrival_s <= sim.now:
