@@ -133,8 +133,8 @@ class Request:
 
     def has_missed_slo(self, now: float) -> bool:
         """True once it can no longer pass: its first token came (or is) later than the TTFT target, or
-        one of its gaps is (or has been) longer than the TBT target. A single long gap is enough: with
-        fewer than 100 gaps their P99 is within 1% of the largest."""
+        one of its gaps is (or has been) longer than the TBT target. Conservative: with fewer than 100
+        gaps their P99 lies between the two largest, so one long gap among short ones may still pass."""
         if self.first_token_time is None:
             return now - self.arrival_time > self.ttft_slo_ms / 1000.0
         if self.first_token_time - self.arrival_time > self.ttft_slo_ms / 1000.0:
