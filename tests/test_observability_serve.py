@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from serve_helpers import wait_until
 
 APP = "apt-obs"
 PREFIX = "/obs"
@@ -63,16 +64,6 @@ def scripted_run(client, app):
 
 
 # Helpers ----------------------------------------------------------------------------------------
-def wait_until(check, what: str, timeout: float = 30.0, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting until {what}")
-
-
 def call(deployment: str, method: str, *args):
     from ray import serve
 

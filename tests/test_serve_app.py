@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from serve_helpers import wait_until
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -45,16 +46,6 @@ def client(app, serve_url):
 
 
 # Helpers ----------------------------------------------------------------------------------------
-def wait_until(check, what: str, timeout: float = 30.0, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting until {what}")
-
-
 def controller_state() -> dict:
     from ray import serve
 
