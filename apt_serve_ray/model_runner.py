@@ -174,8 +174,8 @@ class ModelRunner:
         pos = torch.arange(length)
         pages = table[:, pos // tokens_per_page]  # padding slots read page 0 and are masked out
         offsets = (pos % tokens_per_page).expand(len(entries), length)
-        mask = (pos[None, :] < ctx[:, None])[:, None, None, :]
-        add_mask = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
+        padding = (pos[None, :] >= ctx[:, None])[:, None, None, :]
+        add_mask = torch.zeros(padding.shape, dtype=torch.float32).masked_fill_(padding, float("-inf"))
         slots = pages * tokens_per_page + offsets  # [B, L]
         kv_index = None
         if kind is CacheKind.KV:
@@ -183,10 +183,9 @@ class ModelRunner:
             kvh = self.layout.num_kv_heads
             kv_index = (slots.view(1, len(entries), 1, length) * (2 * kvh)
                         + torch.arange(2).view(2, 1, 1, 1) * kvh + torch.arange(kvh).view(1, 1, kvh, 1)).flatten()
-        return DecodeGroup(self._to(rows), self._to(pages), self._to(offsets), self._to(pos), self._to(mask),
+        return DecodeGroup(self._to(rows), self._to(pages), self._to(offsets), self._to(pos), self._to(add_mask),
                            self._to(table.to(torch.int32)), self._to(ctx.to(torch.int32)),
-                           self._to(slots.flatten()), self._to(add_mask),
-                           None if kv_index is None else self._to(kv_index))
+                           self._to(slots.flatten()), None if kv_index is None else self._to(kv_index))
 
     def _upgrade(self, plan: UpgradePlan) -> None:
         """Project K/V of every stored x into the new KV pages, layer by layer."""

@@ -42,11 +42,10 @@ class DecodeGroup:
     pages: torch.Tensor  # [B, L]
     offsets: torch.Tensor  # [B, L]
     positions: torch.Tensor  # [L]
-    mask: torch.Tensor  # [B, 1, 1, L] True = attend
+    add_mask: torch.Tensor  # [B, 1, 1, L] float32: 0 = attend, -inf = padding
     block_table: torch.Tensor | None = None  # [B, max pages] int32, for the fused kernel
     ctx_lens: torch.Tensor | None = None  # [B] int32
     slots: torch.Tensor | None = None  # [B * L] page * tokens_per_page + offset
-    add_mask: torch.Tensor | None = None  # [B, 1, 1, L] float32: 0 = attend, -inf = padding
     kv_index: torch.Tensor | None = None  # KV only: rows of ``kv_head_rows`` in [2, B, KVH, L] order
 
 
