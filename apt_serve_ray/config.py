@@ -29,6 +29,9 @@ class EngineConfig:
     cache_budget_bytes: int | None = None
     num_pages: int | None = None
     cache_ratio: float = 0.0
+    # The hybrid cache on/off. Off: KV pages only, whatever the policy (the "apt with the hybrid cache
+    # off" baseline). On, it is used where a hidden page saves memory (MHA) or when force_hidden.
+    enable_hybrid_cache: bool = True
     force_hidden: bool = False
     # Batching.
     max_num_seqs: int = 64
@@ -74,6 +77,12 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name}: must be a positive number, got {value!r}")
+        for name in ("enable_hybrid_cache", "force_hidden", "enable_chunked_prefill", "enable_watermarks",
+                     "calibrate_rho"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")
+        if self.force_hidden and not self.enable_hybrid_cache:
+            raise ValueError("force_hidden: cannot be true with enable_hybrid_cache false")
         from apt_serve_ray.scheduler.registry import policy_names
 
         if self.policy not in policy_names():
@@ -83,6 +92,10 @@ class EngineConfig:
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
+
+    def hidden_allowed(self, hidden_saves_memory: bool) -> bool:
+        """Whether the engine may use hidden pages for a model whose layout has ``hidden_saves_memory``."""
+        return self.enable_hybrid_cache and (hidden_saves_memory or self.force_hidden)
 
 
 def _positive_int(name: str, value: object) -> None:

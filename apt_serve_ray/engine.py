@@ -48,7 +48,7 @@ class LLMEngine:
             self.max_model_len = kv_capacity
         self.vocab_size = self.runner.model.shape.vocab_size
         self.cache = CacheManager(PagePool(self.runner.num_pages), self.layout)
-        self.hidden_allowed = self.layout.hidden_saves_memory or config.force_hidden
+        self.hidden_allowed = config.hidden_allowed(self.layout.hidden_saves_memory)
         self._log_cache_geometry()
         self.scheduler = Scheduler(config, self.cache, None, self.hidden_allowed, self.max_model_len)
         self.set_policy(make_policy(config.policy, config, **(config.policy_options or {})))
@@ -80,7 +80,10 @@ class LLMEngine:
     def _log_cache_geometry(self) -> None:
         lay = self.layout
         kv, hid = lay.bytes_per_token(CacheKind.KV), lay.bytes_per_token(CacheKind.HIDDEN)
-        if lay.hidden_saves_memory:
+        if not self.config.enable_hybrid_cache:
+            logger.info("hybrid cache disabled (enable_hybrid_cache=False): KV pages only; %d pages of %d B",
+                        self.runner.num_pages, lay.bytes_per_page)
+        elif lay.hidden_saves_memory:
             logger.info("hybrid cache on: hidden %d B/token vs KV %d B/token (ratio %.2f); %d pages of %d B",
                         hid, kv, lay.hidden_ratio, self.runner.num_pages, lay.bytes_per_page)
         else:

@@ -33,13 +33,11 @@ def simulate(policy: str, trace, args, cost: CostModel, rho: float) -> dict:
     config = EngineConfig(policy="apt" if policy.startswith("apt") else policy, calibrate_rho=False,
                           enable_watermarks=False, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_num_seqs=args.max_num_seqs, default_ttft_slo_ms=args.ttft_slo_ms,
-                          default_tbt_slo_ms=args.tbt_slo_ms)
+                          default_tbt_slo_ms=args.tbt_slo_ms, enable_hybrid_cache=policy != "apt-kv-only")
     scheduler = None
     if policy.startswith("apt"):
         scheduler = AdaptiveScheduler(config=config, rho=rho, step_model=cost)
     sim = SimulatedEngine(config, layout=MHA_LAYOUT, num_pages=args.num_pages, cost=cost, policy=scheduler)
-    if policy == "apt-kv-only":  # the hybrid cache off: the engine's own switch for GQA models
-        sim.hidden_allowed = sim.scheduler.hidden_allowed = False
     pending, requests = list(trace), []
     while pending or sim.scheduler.num_unfinished:
         while pending and pending[0].arrival_s <= sim.now:

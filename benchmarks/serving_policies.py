@@ -28,13 +28,10 @@ What it runs (SPEC section 3, issue 5)
     against ``sarathi`` is a read-out of the run-to-run noise of this machine.
   - ``apt``: the adaptive policy with the hybrid cache; rho and its step-time model are calibrated
     by the engine at start (``calibrate_rho=True``: the path a user gets), recorded in the JSON.
-  - ``apt-kv``: the same policy with the hybrid cache OFF, by clearing ``hidden_allowed`` on the
-    engine and its scheduler -- the flag the engine itself clears for grouped-query models -- so the
+  - ``apt-kv``: the same policy with the hybrid cache OFF (``enable_hybrid_cache=False``): the
     policy sees ``ctx.hidden_allowed == False`` and never offers the hidden kind. (A huge rho would
     not do it: when every request has missed, ``U = 0`` and the hidden price ``U * rho * m`` is 0;
-    ``cache_ratio`` is not read by ``apt``.) ``EngineConfig`` has no field for it yet.
-  - ``apt-v2`` / ``apt-v2-kv`` (only when named in ``--policies``): a scratch variant of ``apt`` defined
-    in this file (``AptV2``) to measure proposed changes; not part of the library.
+    ``cache_ratio`` is not read by ``apt``.)
 * Rates are swept with the policies interleaved per rate in a rotating order, so slow phases of a
   shared machine hit every policy alike; ``--repeats N`` runs each (rate, policy) N times and
   averages the attainment. ``--threads 1``: on a shared 2-core machine two torch
@@ -84,52 +81,6 @@ _REPO = Path(__file__).resolve().parent.parent
 DEFAULT_POLICIES = ("fcfs", "sarathi", "priority", "apt", "apt-kv")
 
 
-# A scratch variant of apt for study (not in the library) -----------------------------------------
-class _GrowthReserve:
-    """The scheduling context with ``reserve`` free pages hidden from the policy's capacity sums."""
-
-    def __init__(self, ctx, reserve: int) -> None:
-        self._ctx, self._reserve = ctx, reserve
-
-    def __getattr__(self, name):
-        return getattr(self._ctx, name)
-
-    @property
-    def num_free_pages(self) -> int:
-        return max(0, self._ctx.num_free_pages - self._reserve)
-
-
-class AptV2(AdaptiveScheduler):
-    """``apt`` with three changes, each a few lines in apt.py (see the report):
-
-    1. Prefill-first steps leave one token of the budget per decode. ``_prefill_budget`` returns up to
-       the whole token budget; when the waiting out-wait the running, prefills run first and take all
-       of it, every decode skips that step, and its gap doubles (~1.2 s for a 512-token chunk).
-    2. A growth reserve of one page per running request in the knapsack's capacity, so admissions
-       leave room for the running to grow instead of forcing memory preemptions a few steps later.
-    3. The step-time model prices the hidden recompute (``bind`` fits it without rho, so
-       ``hidden_seconds_per_token`` is 0 and the TBT-sized prefill budget ignores hidden requests).
-    """
-
-    name = "apt-v2"
-
-    def bind(self, engine) -> None:
-        super().bind(engine)
-        if self.rho and getattr(self.step_model, "hidden_seconds_per_token", None) == 0.0:
-            self.step_model = dataclasses.replace(
-                self.step_model, hidden_seconds_per_token=self.rho / engine.config.block_size)
-
-    def schedule(self, ctx) -> None:
-        super().schedule(_GrowthReserve(ctx, len(ctx.running)))
-
-    def _prefill_budget(self, ctx, candidates, decodes, missed, is_hidden) -> int:
-        budget = super()._prefill_budget(ctx, candidates, decodes, missed, is_hidden)
-        return min(budget, max(1, ctx.token_budget - len(decodes)))
-
-
-# Scratch variants: name -> (AdaptiveScheduler subclass, hybrid cache on). Not in the default set.
-PROTOTYPES: dict[str, tuple[type, bool]] = {"apt-v2": (AptV2, True), "apt-v2-kv": (AptV2, False)}
-
 # Per-mode defaults (per workload where a dict).
 MODES = {
     "quick": dict(num_requests={"sharegpt": 12, "longbench": 10}, max_model_len=512, num_pages=189,
@@ -142,28 +93,13 @@ MODES = {
 
 
 # Engines -----------------------------------------------------------------------------------------
-def disable_hybrid(llm: LLM) -> None:
-    """KV pages only: the engine's own switch for models where the hidden kind saves nothing."""
-    engine = llm.llm_engine
-    engine.hidden_allowed = False
-    engine.scheduler.hidden_allowed = False
-    engine.scheduler.set_cache_ratio(0.0)
-
-
 def build_engine(name: str, path: str, args) -> LLM:
     is_apt = name.startswith("apt")
-    llm = LLM(path, policy="apt" if is_apt else name, calibrate_rho=is_apt, dtype="bfloat16",
-              num_pages=args.num_pages, max_model_len=args.max_model_len,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-              num_threads=args.threads, cache_ratio=0.0, enable_watermarks=False)
-    hybrid = name == "apt"
-    if name in PROTOTYPES:
-        cls, hybrid = PROTOTYPES[name]
-        calibrated = llm.llm_engine.scheduler.policy
-        llm.set_scheduler(cls(rho=calibrated.rho, step_model=calibrated.step_model))
-    if is_apt and not hybrid:
-        disable_hybrid(llm)
-    return llm
+    return LLM(path, policy="apt" if is_apt else name, calibrate_rho=is_apt, dtype="bfloat16",
+               num_pages=args.num_pages, max_model_len=args.max_model_len,
+               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+               num_threads=args.threads, cache_ratio=0.0, enable_watermarks=False,
+               enable_hybrid_cache=name == "apt")
 
 
 class EngineRunner:
@@ -208,15 +144,11 @@ class SimulatedRunner:
     def run(self, trace, slo: dict, args, desc: str, run_id: str):
         name, is_apt = self.name, self.name.startswith("apt")
         config = EngineConfig(policy="apt" if is_apt else name, calibrate_rho=False, enable_watermarks=False,
-                              max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
-        policy, hybrid = None, name == "apt"
-        if is_apt:
-            cls, hybrid = PROTOTYPES.get(name, (AdaptiveScheduler, hybrid))
-            policy = cls(config=config, rho=SIM_RHO, step_model=SIM_COST)
+                              max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                              enable_hybrid_cache=name == "apt")
+        policy = AdaptiveScheduler(config=config, rho=SIM_RHO, step_model=SIM_COST) if is_apt else None
         sim = SimulatedEngine(config, layout=MHA_LAYOUT, num_pages=args.num_pages, cost=SIM_COST, policy=policy,
                               max_model_len=args.max_model_len)
-        if is_apt and not hybrid:
-            sim.hidden_allowed = sim.scheduler.hidden_allowed = False
         return replay_simulated(sim, trace, ttft_slo_ms=slo["ttft_ms"], tbt_slo_ms=slo["tbt_ms"])
 
     def calibration(self) -> dict | None:
@@ -339,8 +271,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="10-12 requests x 3 rates, max_model_len 512, short outputs")
     ap.add_argument("--workloads", nargs="+", default=["sharegpt", "longbench"])
     ap.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES),
-                    help=f"any of {' '.join(DEFAULT_POLICIES)} (default all){' or ' if PROTOTYPES else ''}"
-                         f"{' '.join(PROTOTYPES)}")
+                    help=f"any of {' '.join(DEFAULT_POLICIES)} (default all)")
     ap.add_argument("--rates", type=float, nargs="+", default=None, help="req/s (default: per workload and mode)")
     ap.add_argument("--num-requests", type=int, default=None)
     ap.add_argument("--max-model-len", type=int, default=None)
@@ -367,9 +298,9 @@ def main(argv=None) -> int:
     for key in ("num_requests", "max_model_len", "max_output_len", "num_pages"):
         if getattr(args, key) is None:
             setattr(args, key, MODES[args.mode][key])
-    unknown = set(args.policies) - set(DEFAULT_POLICIES) - set(PROTOTYPES)
+    unknown = set(args.policies) - set(DEFAULT_POLICIES)
     if unknown:
-        ap.error(f"--policies: unknown {sorted(unknown)}; valid: {list(DEFAULT_POLICIES) + list(PROTOTYPES)}")
+        ap.error(f"--policies: unknown {sorted(unknown)}; valid: {list(DEFAULT_POLICIES)}")
     if args.slo_scale is not None and not args.slo_scale > 0:
         ap.error("--slo-scale: must be > 0")
     logging.basicConfig(level=logging.WARNING, format="%(message)s")

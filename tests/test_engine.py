@@ -150,6 +150,10 @@ def test_bad_engine_arguments_name_the_field(opt_tiny):
         LLM(opt_tiny, cache_ratio=1.5)
     with pytest.raises(ValueError, match="not_an_arg"):
         LLM(opt_tiny, not_an_arg=1)
+    with pytest.raises(ValueError, match="enable_hybrid_cache"):
+        LLM(opt_tiny, enable_hybrid_cache="no")
+    with pytest.raises(ValueError, match="force_hidden"):
+        LLM(opt_tiny, force_hidden=True, enable_hybrid_cache=False)
 
 
 def test_bad_prompts_leave_the_engine_usable(opt_tiny):

@@ -158,6 +158,28 @@ def test_gqa_model_never_uses_hidden_unless_forced(checkpoint):
     assert forced.generate(["hello"], SamplingParams(temperature=0, max_tokens=3))[0].metrics.cache_kind == "hidden"
 
 
+@pytest.mark.parametrize("policy", ["sarathi", "apt"])
+def test_hybrid_cache_switched_off_uses_kv_pages_only(opt_tiny, policy):
+    # An MHA model where hidden pages save memory and cache_ratio=1 asks for all-hidden (which sarathi
+    # honours when the switch is on); switched off, every page stays KV, under the adaptive policy too
+    # (its "hybrid cache off" baseline).
+    on = LLM(opt_tiny, dtype="float32", num_pages=12, cache_ratio=1.0, policy="sarathi")
+    assert on.generate(["hello"], SamplingParams(temperature=0, max_tokens=3))[0].metrics.cache_kind == "hidden"
+    llm = LLM(opt_tiny, dtype="float32", num_pages=12, cache_ratio=1.0, enable_hybrid_cache=False, policy=policy,
+              calibrate_rho=False, max_num_batched_tokens=64)
+    engine = llm.llm_engine
+    assert engine.hidden_allowed is False and llm.cache_stats()["cache_ratio"] == 0.0
+    kinds = set()
+    for prompt in _prompts(6, seed=3, lo=20, hi=60):
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+        kinds.add(llm.cache_stats()["pages"]["hidden"])
+    assert kinds == {0}
+    stats = llm.cache_stats()
+    assert stats["num_free_pages"] == stats["num_pages"]
+
+
 def test_pool_integrity_after_mixed_workload_with_aborts(opt_tiny):
     llm = LLM(opt_tiny, dtype="float32", num_pages=30, cache_ratio=0.5, max_num_batched_tokens=64)
     engine = llm.llm_engine

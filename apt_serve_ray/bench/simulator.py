@@ -54,7 +54,7 @@ class SimulatedEngine:
         self.cost = cost
         self.now = 0.0
         self.cache = CacheManager(PagePool(num_pages), layout)
-        hidden_allowed = layout.hidden_saves_memory or config.force_hidden
+        hidden_allowed = config.hidden_allowed(layout.hidden_saves_memory)
         self.scheduler = Scheduler(config, self.cache, None, hidden_allowed, max_model_len)
         self.hidden_allowed = hidden_allowed
         self.runner = None
