@@ -127,7 +127,8 @@ class Router:
         except Exception as exc:  # noqa: BLE001 - any failure means "not ready"
             return JSONResponse({"status": "unhealthy", "reason": repr(exc)}, status_code=503)
         return {"status": "ok", "admission_open": self.is_admission_open(),
-                "engine_replicas": len(self.state.get("replicas", {}))}
+                "engine_replicas": len(self.state.get("replicas", {})),
+                "requests_in_flight": self.admission.num_in_flight, "requests_waiting": self.admission.num_waiting}
 
     @api.get("/v1/debug/memory_timeline")
     async def http_memory_timeline(self, replica: str | None = None, format: str = "png"):

@@ -299,10 +299,13 @@ def test_disconnect_aborts_the_request_and_frees_its_pages(client, app, serve_ur
             next(lines)
         replica = r.headers["x-replica-id"]
         wait_until(lambda: replicas()[replica]["num_free_pages"] < NUM_PAGES, "the request holds pages")
+        # The open stream holds its admission slot at the router (one router here: /health is its view).
+        assert client.get("/health").json()["requests_in_flight"] == 1
     # Closing the connection mid-stream: the engine aborts the request and its pages come back.
     wait_until(lambda: sum(r["num_aborted"] for r in replicas().values()) > aborted_before, "the request is aborted",
                timeout=15)
     wait_until(all_pages_free, "every page is free again", timeout=15)
+    wait_until(lambda: client.get("/health").json()["requests_in_flight"] == 0, "the admission slot is released")
 
 
 # The controller ---------------------------------------------------------------------------------

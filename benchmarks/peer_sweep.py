@@ -1,0 +1,188 @@
+"""Rate sweep against one OpenAI-compatible server, for comparing servers on the same traces.
+
+    python benchmarks/peer_sweep.py --base-url http://127.0.0.1:8100 --label vllm \\
+        --json docs/benchmarks/peer/peer_sweep.json --out-dir docs/benchmarks/peer
+
+Run it once per server (one server up at a time: on a shared CPU a second server would steal the
+first one's cores); each run adds its label to the JSON file and the table printed at the end holds
+every label in it, with effective-throughput ratios against ``--baseline``. How the servers were
+started for the committed results: ``docs/benchmarks.md`` ("Against vLLM").
+
+The traces are ``serving_policies.py``'s (same workloads, seed, ``--max-model-len`` and output caps):
+one base trace per workload, token ids filled with a seed, re-timed for every rate with Gamma gaps.
+Every request streams from ``/v1/completions`` with ``ignore_eos`` and is timed on the client by
+``online_client.send_request``: TTFT, every inter-token gap, errors (an HTTP error, a 503 from
+admission control or a timeout counts as a miss). Attainment: TTFT < ``--ttft-slo-ms`` and P99 gap
+< ``--tbt-slo-ms``. Once attainment falls below ``--stop-below``, higher rates are skipped: they
+add nothing to the effective throughput and only queue for minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import aiohttp  # noqa: E402
+
+from apt_serve_ray.bench import plots, slo_metrics, workloads  # noqa: E402
+from online_client import first_model, replay  # noqa: E402
+
+DEFAULT_RATES = {"sharegpt": (0.5, 1.0, 1.5, 2.0, 3.0), "longbench": (0.15, 0.3, 0.45, 0.6, 0.9)}
+DEFAULT_CAPS = {"sharegpt": 128, "longbench": 128}
+
+
+def base_trace(workload: str, args) -> list[workloads.TraceRequest]:
+    base = workloads.make_trace(workload, args.num_requests, 1.0, cv=args.cv, seed=args.seed,
+                                max_model_len=args.max_model_len)
+    cap = args.max_output_len or DEFAULT_CAPS.get(workload, 128)
+    base = [dataclasses.replace(r, output_len=min(r.output_len, cap)) for r in base]
+    return workloads.fill_token_ids(base, args.vocab_size, args.seed)
+
+
+async def warm_up(url: str, model: str, args) -> None:
+    body = {"model": model, "prompt": [1, 2, 3, 4], "max_tokens": 4, "temperature": 0.0}
+    async with aiohttp.ClientSession() as session:
+        for _ in range(2):
+            async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=300)) as resp:
+                resp.raise_for_status()
+                await resp.read()
+
+
+def sweep(workload: str, url: str, model: str, args) -> dict:
+    base = base_trace(workload, args)
+    rates = sorted(args.rates or DEFAULT_RATES[workload])
+    slos = {"ttft_slo_ms": args.ttft_slo_ms, "tbt_slo_ms": args.tbt_slo_ms}
+    client = argparse.Namespace(ignore_eos=True, timeout=args.timeout, max_concurrency=None,
+                                disable_tqdm=args.disable_tqdm)
+    print(f"\n== {args.label} {workload}: {len(base)} requests, prompt mean "
+          f"{statistics.mean(r.prompt_len for r in base):.0f}, output mean "
+          f"{statistics.mean(r.output_len for r in base):.0f} tokens; SLO TTFT {args.ttft_slo_ms:.0f} ms, "
+          f"P99 gap {args.tbt_slo_ms:.0f} ms", flush=True)
+    runs = []
+    for rate in rates:
+        trace = workloads.with_rate(base, rate, cv=args.cv, seed=args.seed)
+        timelines, duration = asyncio.run(replay(trace, url, model, client, slos))
+        s = slo_metrics.summarize(timelines, duration)
+        errors = [t.error for t in timelines if t.error]
+        runs.append({"rate": rate, "summary": s, "errors": errors[:5], "num_errors": len(errors),
+                     "timelines": [dataclasses.asdict(t) for t in timelines] if args.keep_timelines else None})
+        print(f"  {rate:5.2f} req/s attain {100 * s['slo_attainment']:5.1f}%  ok {s['completed']:3d} "
+              f"failed {s['failed']:2d}  ttft mean {s['mean_ttft_ms']:6.0f} p99 {s['p99_ttft_ms']:6.0f}  "
+              f"itl median {s['median_itl_ms']:5.0f} p99 {s['p99_itl_ms']:5.0f} ms  "
+              f"out {s['output_throughput']:5.1f} tok/s  {duration:4.0f}s"
+              + (f"  first error: {errors[0][:120]}" if errors else ""), flush=True)
+        if s["slo_attainment"] < args.stop_below:
+            break
+    points = [(r["rate"], r["summary"]["slo_attainment"]) for r in runs]
+    return {"rates": [r for r, _ in points], "attainment": points, "runs": runs,
+            "slo": {"ttft_ms": args.ttft_slo_ms, "tbt_ms": args.tbt_slo_ms},
+            "effective_throughput": {"90": slo_metrics.effective_throughput(points, 0.9),
+                                     "60": slo_metrics.effective_throughput(points, 0.6)},
+            "trace": {"num_requests": len(base), "prompt_lens": [r.prompt_len for r in base],
+                      "output_lens": [r.output_len for r in base]}}
+
+
+def print_table(report: dict, baseline: str | None) -> None:
+    print("\nEffective throughput (req/s): highest rate with SLO attainment >= 90% / >= 60%")
+    names = {w for s in report["servers"].values() for w in s["workloads"]}
+    for workload in sorted(names):
+        print(f"\n{workload}")
+        print(f"  {'server':24s} {'@90%':>7s} {'@60%':>7s}   attainment % per rate")
+        base = report["servers"].get(baseline, {}).get("workloads", {}).get(workload)
+        for label, server in report["servers"].items():
+            w = server["workloads"].get(workload)
+            if w is None:
+                continue
+            e = w["effective_throughput"]
+            att = " ".join(f"{r:g}:{100 * a:.0f}" for r, a in w["attainment"])
+            ratio = ""
+            if base is not None and label != baseline:
+                ratio = "  vs " + baseline + ": " + " / ".join(
+                    _ratio(e[t], base["effective_throughput"][t]) for t in ("90", "60"))
+            print(f"  {label:24s} {e['90']:7.3f} {e['60']:7.3f}   {att}{ratio}")
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b > 0 else ("n/a (baseline 0)" if a > 0 else "n/a")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base-url", default="http://127.0.0.1:8000")
+    ap.add_argument("--endpoint", default="/v1/completions")
+    ap.add_argument("--model", default=None, help="default: the first model the server lists")
+    ap.add_argument("--label", required=True, help="this server's name in the JSON and the table")
+    ap.add_argument("--note", default="", help="how the server was started (recorded in the JSON)")
+    ap.add_argument("--workloads", nargs="+", default=["sharegpt", "longbench"])
+    ap.add_argument("--rates", type=float, nargs="+", default=None, help="req/s (default: per workload)")
+    ap.add_argument("--num-requests", type=int, default=32)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--max-output-len", type=int, default=None, help="output cap (default 128)")
+    ap.add_argument("--vocab-size", type=int, default=49152, help="range of random prompt token ids")
+    ap.add_argument("--cv", type=float, default=1.0, help="arrival burstiness (1 = Poisson)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ttft-slo-ms", type=float, default=4000.0)
+    ap.add_argument("--tbt-slo-ms", type=float, default=1000.0)
+    ap.add_argument("--stop-below", type=float, default=0.3, help="skip higher rates once attainment is below this")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
+    ap.add_argument("--keep-timelines", action="store_true", help="store every request's timeline in the JSON")
+    ap.add_argument("--baseline", default=None, help="label to take ratios against in the table")
+    ap.add_argument("--json", type=Path, default=None, help="results file; this label's workloads are added or replaced")
+    ap.add_argument("--out-dir", type=Path, default=None, help="attainment plots of every label in the JSON")
+    ap.add_argument("--table-only", action="store_true", help="print the table of --json and exit")
+    ap.add_argument("--disable-tqdm", action="store_true")
+    args = ap.parse_args(argv)
+    for name in ("num_requests", "max_model_len"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.rates and not all(r > 0 and math.isfinite(r) for r in args.rates):
+        ap.error("--rates must be finite and > 0")
+    unknown = set(args.workloads) - set(DEFAULT_RATES)
+    if unknown:
+        ap.error(f"--workloads: unknown {sorted(unknown)}; valid: {sorted(DEFAULT_RATES)}")
+
+    report = json.loads(args.json.read_text()) if args.json and args.json.exists() else {"servers": {}}
+    if not args.table_only:
+        base_url = args.base_url.rstrip("/")
+        url = base_url + args.endpoint
+        try:
+            model = args.model or asyncio.run(first_model(base_url))
+            asyncio.run(warm_up(url, model, args))
+        except (OSError, aiohttp.ClientError) as e:
+            return f"error: cannot reach {base_url}: {e}"  # type: ignore[return-value]
+        result = {"url": base_url, "model": model, "note": args.note, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                  "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                  "workloads": {w: sweep(w, url, model, args) for w in args.workloads}}
+        previous = report["servers"].get(args.label, {}).get("workloads", {})
+        result["workloads"] = {**previous, **result["workloads"]}  # one label, workloads run one at a time
+        report["servers"][args.label] = result
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(report, indent=1))
+            print(f"\nwritten {args.json}")
+    print_table(report, args.baseline)
+    if args.out_dir:
+        workload_names = sorted({w for s in report["servers"].values() for w in s["workloads"]})
+        for workload in workload_names:
+            points = {label: s["workloads"][workload]["attainment"] for label, s in report["servers"].items()
+                      if workload in s["workloads"]}
+            slo = next(s["workloads"][workload]["slo"] for s in report["servers"].values() if workload in s["workloads"])
+            path = plots.plot_attainment(points, args.out_dir / f"peer_attainment_{workload}.png",
+                                         title=f"{workload}: TTFT < {slo['ttft_ms']:.0f} ms, "
+                                               f"P99 gap < {slo['tbt_ms']:.0f} ms (client side)")
+            print(f"plot {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
