@@ -228,3 +228,30 @@ def test_apt_keeps_running_requests_instead_of_evicting_them_for_waiting_ones():
         causes += sim.step().preempt_causes
     assert "policy" not in causes
     assert len(sim.finished) == 5
+
+
+def _hidden_recompute_per_step(tbt_slo_ms: float) -> tuple[float, int]:
+    """Overload where every request has missed its TTFT (U = 0: the paper's hidden price is 0)."""
+    cost = CostModel(base_s=0.02, per_token_s=0.0005, per_context_s=0.0, hidden_context_s=0.0005)
+    config = EngineConfig(policy="apt", calibrate_rho=False, enable_watermarks=False, max_num_batched_tokens=4096)
+    policy = AdaptiveScheduler(config=config, rho=0.0005 * 16, step_model=cost, tbt_headroom=0.8)
+    sim = SimulatedEngine(config, num_pages=40, policy=policy, cost=cost)
+    for _ in range(12):
+        sim.add(100, 30, ttft_slo_ms=1, tbt_slo_ms=tbt_slo_ms)
+    sim.now += 1.0
+    worst, peak_hidden = 0.0, 0
+    while sim.scheduler.num_unfinished:
+        sim.step()
+        hidden = [r for r in sim.scheduler.running if r.kind is CacheKind.HIDDEN and r.is_decoding]
+        worst = max(worst, cost.hidden_context_s * sum(r.num_tokens for r in hidden))
+        peak_hidden = max(peak_hidden, len(hidden))
+        sim.cache.pool.check_integrity()
+    assert len(sim.finished) == 12 and sim.cache.pool.num_free_pages == 40
+    return worst, peak_hidden
+
+
+def test_apt_caps_hidden_recompute_by_the_tbt_target_even_when_every_request_missed():
+    worst, peak = _hidden_recompute_per_step(tbt_slo_ms=200)
+    assert 0 < peak and worst <= 0.8 * 0.200  # hidden still used, but the steps it lengthens stay in budget
+    loose_worst, loose_peak = _hidden_recompute_per_step(tbt_slo_ms=1e6)  # no cap in effect
+    assert loose_peak > peak and loose_worst > 0.8 * 0.200
