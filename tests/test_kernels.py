@@ -42,3 +42,25 @@ def test_engine_with_forced_kernel_matches_torch_path(checkpoint, shape):
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "engine kernel path matches" in proc.stdout
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
+def test_packed_linear_matches_f_linear_bit_for_bit_in_bf16():
+    import torch.nn.functional as F
+
+    from apt_serve_ray.models.linear import Linear, packing_available
+
+    if not packing_available(torch.bfloat16):
+        pytest.skip("oneDNN packed linear unavailable on this CPU (the engine then uses F.linear)")
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 64, generator=g).to(torch.bfloat16)
+    b = torch.randn(96, generator=g).to(torch.bfloat16)
+    for bias in (b, None):
+        layer = Linear(w, bias)
+        assert layer.packed is not None and layer.weight is None  # the plain copy is dropped
+        for rows in (1, 7, 64, 300):
+            x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
+            assert torch.equal(layer(x), F.linear(x, w, bias))
+        x3 = torch.randn(2, 5, 64, generator=g).to(torch.bfloat16)  # other ranks: flattened to rows
+        assert torch.equal(layer(x3), F.linear(x3, w, bias))
+    assert Linear(w.float()).packed is None  # float32 keeps F.linear (oneDNN sums in another order)

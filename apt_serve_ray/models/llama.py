@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from apt_serve_ray.models.base import DecoderModel, ModelShape, fuse, take, take_optional
+from apt_serve_ray.models.linear import Linear
 from apt_serve_ray.models.rotary import RotaryEmbedding
 from apt_serve_ray.paged_attention import AttentionMetadata, paged_attention
 
@@ -18,10 +19,10 @@ class _Layer:
         self.post_norm = g("post_attention_layernorm.weight")
         self.w_qkv = fuse(g("self_attn.q_proj.weight"), g("self_attn.k_proj.weight"), g("self_attn.v_proj.weight"))
         self.b_qkv = fuse(o("self_attn.q_proj.bias"), o("self_attn.k_proj.bias"), o("self_attn.v_proj.bias"))
-        self.w_o = g("self_attn.o_proj.weight")
-        self.b_o = o("self_attn.o_proj.bias")
-        self.w_gate_up = fuse(g("mlp.gate_proj.weight"), g("mlp.up_proj.weight"))
-        self.w_down = g("mlp.down_proj.weight")
+        self.qkv = Linear(self.w_qkv, self.b_qkv, keep_weight=True)  # the hidden path projects with w_qkv's K/V rows
+        self.out = Linear(g("self_attn.o_proj.weight"), o("self_attn.o_proj.bias"))
+        self.gate_up = Linear(fuse(g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")))
+        self.down = Linear(g("mlp.down_proj.weight"))
 
 
 class LlamaModel(DecoderModel):
@@ -46,6 +47,7 @@ class LlamaModel(DecoderModel):
         self.norm = take(state, "model.norm.weight", device, dtype)
         lm_head = take_optional(state, "lm_head.weight", device, dtype)
         self.lm_head = self.embed if lm_head is None or getattr(config, "tie_word_embeddings", False) else lm_head
+        self.logits = Linear(self.lm_head, keep_weight=True)
         self.rotary = RotaryEmbedding(config, head_dim, max_model_len, device, dtype)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -60,7 +62,7 @@ class LlamaModel(DecoderModel):
         n = h.shape[0]
         for i, layer in enumerate(self.layers):
             x = self._rms_norm(h, layer.input_norm)
-            qkv = F.linear(x, layer.w_qkv, layer.b_qkv)
+            qkv = layer.qkv(x)
             q = qkv[:, : self.q_dim].view(n, s.num_heads, s.head_dim)
             k = qkv[:, self.q_dim : self.q_dim + self.kv_dim].view(n, s.num_kv_heads, s.head_dim)
             v = qkv[:, self.q_dim + self.kv_dim :].view(n, s.num_kv_heads, s.head_dim)
@@ -68,10 +70,10 @@ class LlamaModel(DecoderModel):
             k = self.rotary.apply(k, positions)
             project = lambda xs, pos, i=i: self.project_kv(i, xs, pos)  # noqa: E731
             a = paged_attention(i, q, k, v, x, project, meta, self.scale, self._hidden_params(i))
-            h = h + F.linear(a.reshape(n, -1), layer.w_o, layer.b_o)
+            h = h + layer.out(a.reshape(n, -1))
             x = self._rms_norm(h, layer.post_norm)
-            gate, up = F.linear(x, layer.w_gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.w_down)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            h = h + layer.down(F.silu(gate) * up)
         return self._rms_norm(h, self.norm)
 
     def _hidden_params(self, layer: int):
@@ -80,7 +82,7 @@ class LlamaModel(DecoderModel):
         return lay.w_qkv[self.q_dim :], b, self.rotary.cos, self.rotary.sin
 
     def compute_logits(self, hidden):
-        return F.linear(hidden, self.lm_head)
+        return self.logits(hidden)
 
     def project_kv(self, layer, x, positions):
         s, lay = self.shape, self.layers[layer]

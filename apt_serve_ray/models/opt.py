@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from apt_serve_ray.models.base import DecoderModel, ModelShape, fuse, take, take_optional
+from apt_serve_ray.models.linear import Linear
 from apt_serve_ray.paged_attention import AttentionMetadata, paged_attention
 
 _POSITION_OFFSET = 2  # OPT's learned position table is shifted by 2 (a fairseq legacy).
@@ -19,9 +20,10 @@ class _Layer:
         self.mlp_norm = (o("final_layer_norm.weight"), o("final_layer_norm.bias"))
         self.w_qkv = fuse(g("self_attn.q_proj.weight"), g("self_attn.k_proj.weight"), g("self_attn.v_proj.weight"))
         self.b_qkv = fuse(o("self_attn.q_proj.bias"), o("self_attn.k_proj.bias"), o("self_attn.v_proj.bias"))
-        self.w_o, self.b_o = g("self_attn.out_proj.weight"), o("self_attn.out_proj.bias")
-        self.w_fc1, self.b_fc1 = g("fc1.weight"), o("fc1.bias")
-        self.w_fc2, self.b_fc2 = g("fc2.weight"), o("fc2.bias")
+        self.qkv = Linear(self.w_qkv, self.b_qkv, keep_weight=True)  # the hidden path projects with w_qkv's K/V rows
+        self.out = Linear(g("self_attn.out_proj.weight"), o("self_attn.out_proj.bias"))
+        self.fc1 = Linear(g("fc1.weight"), o("fc1.bias"))
+        self.fc2 = Linear(g("fc2.weight"), o("fc2.bias"))
 
 
 class OPTModel(DecoderModel):
@@ -51,6 +53,7 @@ class OPTModel(DecoderModel):
         self.layers = [_Layer(state, f"{p}layers.{i}.", device, dtype) for i in range(self.shape.num_layers)]
         lm_head = take_optional(state, "lm_head.weight", device, dtype)
         self.lm_head = self.embed if lm_head is None or getattr(config, "tie_word_embeddings", True) else lm_head
+        self.logits = Linear(self.lm_head, keep_weight=True)
 
     def _norm(self, x, params):
         weight, bias = params
@@ -65,16 +68,16 @@ class OPTModel(DecoderModel):
         n = h.shape[0]
         for i, layer in enumerate(self.layers):
             x = self._norm(h, layer.attn_norm) if self.pre_norm else h
-            qkv = F.linear(x, layer.w_qkv, layer.b_qkv).view(n, 3, s.num_heads, s.head_dim)
+            qkv = layer.qkv(x).view(n, 3, s.num_heads, s.head_dim)
             q, k, v = qkv.unbind(1)
             project = lambda xs, pos, i=i: self.project_kv(i, xs, pos)  # noqa: E731
             hidden_params = (layer.w_qkv[self.dim :], None if layer.b_qkv is None else layer.b_qkv[self.dim :], None, None)
             a = paged_attention(i, q, k, v, x, project, meta, self.scale, hidden_params)
-            h = h + F.linear(a.reshape(n, -1), layer.w_o, layer.b_o)
+            h = h + layer.out(a.reshape(n, -1))
             if not self.pre_norm:
                 h = self._norm(h, layer.attn_norm)
             x = self._norm(h, layer.mlp_norm) if self.pre_norm else h
-            h = h + F.linear(F.relu_(F.linear(x, layer.w_fc1, layer.b_fc1)), layer.w_fc2, layer.b_fc2)
+            h = h + layer.fc2(F.relu_(layer.fc1(x)))
             if not self.pre_norm:
                 h = self._norm(h, layer.mlp_norm)
         if self.final_norm[0] is not None and self.pre_norm:
@@ -84,7 +87,7 @@ class OPTModel(DecoderModel):
         return h
 
     def compute_logits(self, hidden):
-        return F.linear(hidden, self.lm_head)
+        return self.logits(hidden)
 
     def project_kv(self, layer, x, positions):
         s, lay = self.shape, self.layers[layer]
