@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import io
 import logging
 import time
@@ -42,6 +43,12 @@ from deployments.streaming import coalesced, merge_items
 logger = logging.getLogger("ray.serve")
 
 
+def replica_seed(base: int, replica_id: str) -> int:
+    """The engine seed of one replica: the configured seed mixed with the replica's id."""
+    digest = hashlib.blake2b(f"{base}:{replica_id}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little")
+
+
 @serve.deployment(max_ongoing_requests=256, health_check_period_s=5.0)
 class EngineReplica:
     async def __init__(self, engine_config: EngineConfig, controller=None, policy_options: dict | None = None,
@@ -50,9 +57,12 @@ class EngineReplica:
         if policy_options:
             engine_config = engine_config.replace(policy_options={**(engine_config.policy_options or {}),
                                                                    **policy_options})
-        self.engine = AsyncLLMEngine(engine_config)
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
+        # Unseeded sampling draws from the engine's generator: one seed per replica, or every replica
+        # would draw the same numbers. Requests with their own ``seed`` are reproducible on any replica.
+        engine_config = engine_config.replace(seed=replica_seed(engine_config.seed, self.replica_id))
+        self.engine = AsyncLLMEngine(engine_config)
         self.actor_name = ray.get_runtime_context().get_actor_name()
         self.model = engine_config.model
         obs = observability or {}
@@ -152,7 +162,8 @@ class EngineReplica:
     def load(self) -> dict:
         return {**self.engine.load(), "time": time.time(), "replica_id": self.replica_id,
                 "actor_name": self.actor_name, "model": self.model, "max_model_len": self.engine.max_model_len,
-                "max_num_seqs": self.engine.config.max_num_seqs, "num_requests": self.num_requests,
+                "max_num_seqs": self.engine.config.max_num_seqs, "seed": self.engine.config.seed,
+                "num_requests": self.num_requests,
                 "num_aborted": self.num_aborted, "num_pending_pages": sum(self._pending_pages.values())}
 
     def record_routing_stats(self) -> dict:

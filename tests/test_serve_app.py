@@ -85,6 +85,11 @@ def completion(client, model, **fields) -> httpx.Response:
 
 
 # The API ----------------------------------------------------------------------------------------
+def test_each_engine_replica_has_its_own_sampling_seed(app):
+    seeds = [load["seed"] for load in replicas().values()]
+    assert len(seeds) == 2 and seeds[0] != seeds[1]
+
+
 def test_models_and_health(client, app):
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == app
