@@ -4,7 +4,7 @@
 
 (from the repository root, with the package installed or ``PYTHONPATH=.``). ``--quick`` takes 6-8
 minutes on a 2-core CPU; without it (48 requests per rate, 5 rates, ``max_model_len`` 1024, outputs
-<= 128) about 1.5 hours. Results and their reading: ``docs/benchmarks/serving_policies.md``.
+<= 128) about 1.5 hours. Results and their reading: ``docs/benchmarks.md``.
 
 What it runs (SPEC section 3, issue 5)
 --------------------------------------
