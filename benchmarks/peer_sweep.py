@@ -38,14 +38,11 @@ from apt_serve_ray.bench import plots, slo_metrics, workloads  # noqa: E402
 from online_client import first_model, replay  # noqa: E402
 
 DEFAULT_RATES = {"sharegpt": (0.5, 1.0, 1.5, 2.0, 3.0), "longbench": (0.15, 0.3, 0.45, 0.6, 0.9)}
-DEFAULT_CAPS = {"sharegpt": 128, "longbench": 128}
 
 
 def base_trace(workload: str, args) -> list[workloads.TraceRequest]:
     base = workloads.make_trace(workload, args.num_requests, 1.0, cv=args.cv, seed=args.seed,
-                                max_model_len=args.max_model_len)
-    cap = args.max_output_len or DEFAULT_CAPS.get(workload, 128)
-    base = [dataclasses.replace(r, output_len=min(r.output_len, cap)) for r in base]
+                                max_model_len=args.max_model_len, max_output_len=args.max_output_len)
     return workloads.fill_token_ids(base, args.vocab_size, args.seed)
 
 
@@ -108,12 +105,8 @@ def print_table(report: dict, baseline: str | None) -> None:
             ratio = ""
             if base is not None and label != baseline:
                 ratio = "  vs " + baseline + ": " + " / ".join(
-                    _ratio(e[t], base["effective_throughput"][t]) for t in ("90", "60"))
+                    slo_metrics.format_ratio(e[t], base["effective_throughput"][t]) for t in ("90", "60"))
             print(f"  {label:24s} {e['90']:7.3f} {e['60']:7.3f}   {att}{ratio}")
-
-
-def _ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}x" if b > 0 else ("n/a (baseline 0)" if a > 0 else "n/a")
 
 
 def main(argv=None) -> int:
@@ -127,7 +120,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rates", type=float, nargs="+", default=None, help="req/s (default: per workload)")
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--max-model-len", type=int, default=1024)
-    ap.add_argument("--max-output-len", type=int, default=None, help="output cap (default 128)")
+    ap.add_argument("--max-output-len", type=int, default=128, help="output cap")
     ap.add_argument("--vocab-size", type=int, default=49152, help="range of random prompt token ids")
     ap.add_argument("--cv", type=float, default=1.0, help="arrival burstiness (1 = Poisson)")
     ap.add_argument("--seed", type=int, default=0)

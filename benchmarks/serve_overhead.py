@@ -111,33 +111,35 @@ class InProcess:
 
 
 # 2. and 3. Ray Serve -----------------------------------------------------------------------------
-def http_request(a, client, prompt):
-    body = {"model": a.model, "prompt": prompt, "max_tokens": a.max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+def _time_chunks(chunks) -> tuple[float, list[float], int]:
+    """(start, arrival time of every chunk with text, completion tokens from the usage chunk)."""
     start, arrivals, n = time.perf_counter(), [], 0
-    with client.stream("POST", "/v1/completions", json=body) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk["choices"] and chunk["choices"][0]["text"]:
-                arrivals.append(time.perf_counter())
-            if chunk.get("usage"):
-                n = chunk["usage"]["completion_tokens"]
-    return start, arrivals, n
-
-
-def app_handle_request(a, handle, prompt):
-    body = {"model": a.model, "prompt": prompt, "max_tokens": a.max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}
-    start, arrivals, n = time.perf_counter(), [], 0
-    for chunk in handle.options(stream=True).completions_stream.remote(body):
+    for chunk in chunks:
         if chunk["choices"] and chunk["choices"][0]["text"]:
             arrivals.append(time.perf_counter())
         if chunk.get("usage"):
             n = chunk["usage"]["completion_tokens"]
     return start, arrivals, n
+
+
+def _sse_chunks(client, body):
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
+
+
+def http_request(a, client, prompt):
+    body = {"model": a.model, "prompt": prompt, "max_tokens": a.max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    return _time_chunks(_sse_chunks(client, body))
+
+
+def app_handle_request(a, handle, prompt):
+    body = {"model": a.model, "prompt": prompt, "max_tokens": a.max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    return _time_chunks(handle.options(stream=True).completions_stream.remote(body))
 
 
 def engine_handle_request(a, handle, prompt):

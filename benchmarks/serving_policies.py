@@ -70,7 +70,7 @@ from apt_serve_ray import LLM
 from apt_serve_ray.bench import plots
 from apt_serve_ray.bench.driver import measure_unloaded_latency, replay, replay_simulated
 from apt_serve_ray.bench.simulator import MHA_LAYOUT, CostModel, SimulatedEngine
-from apt_serve_ray.bench.slo_metrics import effective_throughput
+from apt_serve_ray.bench.slo_metrics import effective_throughput, format_ratio
 from apt_serve_ray.bench.workloads import make_trace, with_rate
 from apt_serve_ray.checkpoints import make_random_checkpoint
 from apt_serve_ray.config import EngineConfig
@@ -162,9 +162,8 @@ def _per_workload(value, workload: str):
 
 def run_workload(workload: str, runners: dict, args) -> dict:
     base = make_trace(workload, _per_workload(args.num_requests, workload), 1.0, cv=args.cv, seed=args.seed,
-                      max_model_len=args.max_model_len)  # token ids: replay fills them, seeded
-    cap = _per_workload(args.max_output_len, workload)
-    base = [dataclasses.replace(r, output_len=min(r.output_len, cap)) for r in base]
+                      max_model_len=args.max_model_len,  # token ids: replay fills them, seeded
+                      max_output_len=_per_workload(args.max_output_len, workload))
     for runner in runners.values():
         runner.warm_up(base)
     slo = {"ttft_ms": args.ttft_slo_ms, "tbt_ms": args.tbt_slo_ms, "scale": None}
@@ -248,13 +247,7 @@ def print_table(report: dict) -> None:
         for apt in (p for p in eff if p.startswith("apt")):
             for base in (b for b in ("fcfs", "sarathi") if b in eff):
                 print(f"  {apt + ' / ' + base:20s} " + "  ".join(
-                    f"@{t}%: {_ratio(eff[apt][t], eff[base][t])}" for t in ("90", "60")))
-
-
-def _ratio(a: float, b: float) -> str:
-    if b > 0:
-        return f"{a / b:.2f}x"
-    return "n/a (baseline 0)" if a > 0 else "n/a"
+                    f"@{t}%: {format_ratio(eff[apt][t], eff[base][t])}" for t in ("90", "60")))
 
 
 def _git_state() -> dict:

@@ -138,3 +138,11 @@ def test_bad_arguments_name_the_field(kwargs, field):
 def test_bad_random_arguments_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         make_random_trace(10, 1.0, **kwargs)
+
+
+def test_output_cap_keeps_the_rest_of_the_trace():
+    full = make_trace("sharegpt", 50, 2.0, seed=4, max_model_len=1024)
+    capped = make_trace("sharegpt", 50, 2.0, seed=4, max_model_len=1024, max_output_len=64)
+    assert [r.output_len for r in capped] == [min(r.output_len, 64) for r in full]
+    assert [(r.prompt_len, r.arrival_s) for r in capped] == [(r.prompt_len, r.arrival_s) for r in full]
+    assert any(r.output_len > 64 for r in full)

@@ -162,6 +162,13 @@ def effective_throughput(points: list[tuple[float, float]], target: float) -> fl
     return prev_rate
 
 
+def format_ratio(a: float, b: float) -> str:
+    """``a / b`` as "1.23x" for tables of effective throughput ("n/a" where ``b`` is 0)."""
+    if b > 0:
+        return f"{a / b:.2f}x"
+    return "n/a (baseline 0)" if a > 0 else "n/a"
+
+
 def format_summary(summary: dict, metrics: tuple[str, ...] | list[str] = _METRICS) -> str:
     """A block like ``vllm bench serve``'s result table; ``metrics`` picks the latency sections."""
     unknown = set(metrics) - set(_METRICS)

@@ -122,11 +122,16 @@ WORKLOADS: dict[str, WorkloadSpec] = {
 
 
 def make_trace(workload: str, num_requests: int, rate: float, cv: float = 1.0, seed: int = 0,
-               max_model_len: int = 2048, vocab_size: int | None = None) -> list[TraceRequest]:
-    """A trace of ``num_requests`` requests of ``workload`` arriving at ``rate`` req/s."""
+               max_model_len: int = 2048, vocab_size: int | None = None,
+               max_output_len: int | None = None) -> list[TraceRequest]:
+    """A trace of ``num_requests`` requests of ``workload`` arriving at ``rate`` req/s; outputs capped
+    at ``max_output_len`` after drawing (the other lengths stay those of the uncapped trace)."""
     if workload not in WORKLOADS:
         raise ValueError(f"workload must be one of {sorted(WORKLOADS)}, got {workload!r}")
-    return _make(WORKLOADS[workload], num_requests, rate, cv, seed, max_model_len, vocab_size)
+    trace = _make(WORKLOADS[workload], num_requests, rate, cv, seed, max_model_len, vocab_size)
+    if max_output_len is not None:
+        trace = [dataclasses.replace(r, output_len=min(r.output_len, max_output_len)) for r in trace]
+    return trace
 
 
 def make_random_trace(num_requests: int, rate: float, input_len: int = 1024, output_len: int = 128,
