@@ -1,8 +1,10 @@
 """Measured costs the scheduler prices decisions with: ``rho`` and a step-time model.
 
-* ``calibrate_rho`` times what a hidden-cache request adds to every decode step: gather its stored
-  x and project K and V (and rotate K, for RoPE models) for its whole context in every layer. The
-  time is fitted as ``intercept + seconds_per_token * L`` over a range of context lengths L;
+* ``calibrate_rho`` times what a hidden-cache request adds to every decode step: its decode attention
+  over hidden pages minus the same over KV pages, in every layer, through the engine's attention
+  backend (the unfused path gathers x and projects K/V for the whole context; the fused CPU path
+  scores the stored x against the absorbed query, or projects page by page under RoPE). The
+  difference is fitted as ``intercept + seconds_per_token * L`` over a range of context lengths L;
   ``rho = seconds_per_page`` is the slope times the tokens of one KV page (``block_size``), the unit
   in which the scheduler counts a request's memory ``m_i`` (SPEC section 2).
 * ``step_time_model`` times whole steps (prepare + forward + lm-head + sample) for a few decode
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from apt_serve_ray.attention import DecodeGroup
 from apt_serve_ray.request import CacheKind, Request
 from apt_serve_ray.sampling_params import SamplingParams
 from apt_serve_ray.scheduler.output import ScheduledChunk, SchedulerOutput
@@ -62,11 +65,11 @@ def _r2(pred: list[float], ys: list[float]) -> float:
 class RhoCalibration:
     """Per-decode-step cost of keeping one request's context in the hidden kind."""
 
-    seconds_per_page: float  # rho: recompute K/V of one KV page worth of tokens, all layers
+    seconds_per_page: float  # rho: extra decode time of one KV page worth of hidden tokens, all layers
     seconds_per_token: float  # the fitted slope
     intercept_s: float  # fixed cost per request per step (launches, Python), not per page
     tokens_per_page: int  # the KV page size the per-page figure is for (block_size)
-    points: tuple[tuple[int, float], ...]  # (context length, fastest of the repeats in seconds)
+    points: tuple[tuple[int, float], ...]  # (context length, hidden minus KV seconds, fastest repeats)
     r2: float = 1.0
     repeats: int = 0
     wall_s: float = 0.0  # how long the calibration itself took
@@ -78,46 +81,56 @@ class RhoCalibration:
 
 @torch.inference_mode()
 def calibrate_rho(runner, lengths: tuple[int, ...] = DEFAULT_RHO_LENGTHS, repeats: int = 3) -> RhoCalibration:
-    """Time gather(x) + project_kv (+ RoPE) over all layers for each context length in ``lengths``
-    (one request, as in a decode step) and fit a line. Lengths beyond the model's context or the
-    cache's capacity are dropped. Reads cache pages only."""
+    """Time one request's decode attention in all layers over hidden pages and over KV pages, for
+    each context length in ``lengths``, and fit a line to the difference. Lengths beyond the
+    model's context or the cache's capacity are dropped. Reads cache pages only."""
     if repeats < 1:
         raise ValueError(f"repeats: must be >= 1, got {repeats}")
     start = time.perf_counter()
     layout, storage, device = runner.layout, runner.storage, runner.device
-    tpp = layout.tokens_per_page(CacheKind.HIDDEN)
-    limit = min(runner.max_model_len, runner.num_pages * tpp)
+    model, backend = runner.model, runner.attention
+    limit = min(runner.max_model_len, runner.num_pages * layout.block_size)
     usable = sorted({int(n) for n in lengths if 0 < int(n) <= limit})
     if len(usable) < 2:
         usable = sorted({max(1, limit // 4), max(2, limit // 2)})
-    num_layers = layout.num_layers
     clock = _clock(device)
+    shape = model.shape
+    q = torch.randn(1, shape.num_heads, shape.head_dim, generator=torch.Generator().manual_seed(0))
+    q = q.to(device=device, dtype=runner.dtype)
 
-    def one_pass(n: int) -> float:
-        # The decode path's shape: a [1, n] batch of cache slots, one gather and one matmul per layer.
-        pos = torch.arange(n)
-        pages = (pos // tpp).unsqueeze(0).to(device)
-        offsets = (pos % tpp).unsqueeze(0).to(device)
-        positions = pos.to(device)
+    def one_pass(n: int, kind: CacheKind) -> float:
+        # The decode path's shape: one request attending over pages 0.. of ``kind``.
+        tpp = layout.tokens_per_page(kind)
+        group = DecodeGroup(
+            rows=torch.zeros(1, dtype=torch.long, device=device),
+            block_table=torch.arange((n + tpp - 1) // tpp, dtype=torch.int32, device=device).unsqueeze(0),
+            ctx_lens=torch.tensor([n], dtype=torch.int32, device=device), max_len=n, tokens_per_page=tpp,
+        )
         _sync(device)
         t = clock()
-        for layer in range(num_layers):
-            x = storage.hidden[layer][pages, offsets]
-            runner.model.project_kv(layer, x, positions)
+        for layer in range(layout.num_layers):
+            if kind is CacheKind.KV:
+                backend.decode_kv(layer, q, group, storage, model.scale)
+            else:
+                backend.decode_hidden(layer, q, group, storage, model.kv_projections[layer], model.scale)
         _sync(device)
         return clock() - t
 
-    one_pass(usable[-1])  # warm-up: allocator, kernels, caches
+    kinds = (CacheKind.KV, CacheKind.HIDDEN)
+    for kind in kinds:  # warm-up: allocator, kernels, caches
+        one_pass(usable[-1], kind)
     # Round-robin over the lengths, then the fastest repeat of each: interference from other
     # processes only ever adds time, and a burst of it then does not tilt the fitted line.
-    best = {n: float("inf") for n in usable}
+    best = {(n, kind): float("inf") for n in usable for kind in kinds}
     for _ in range(repeats):
         for n in usable:
-            best[n] = min(best[n], one_pass(n))
-    points = [(n, best[n]) for n in usable]
+            for kind in kinds:
+                best[n, kind] = min(best[n, kind], one_pass(n, kind))
+    points = [(n, max(0.0, best[n, CacheKind.HIDDEN] - best[n, CacheKind.KV])) for n in usable]
     intercept, slope = _fit([[1.0, float(n)] for n, _ in points], [t for _, t in points])
     if slope <= 0:  # all noise (tiny models): no per-token cost can be resolved
         slope, intercept = 0.0, sum(t for _, t in points) / len(points)
+    intercept = max(0.0, intercept)
     pred = [intercept + slope * n for n, _ in points]
     return RhoCalibration(
         seconds_per_page=slope * layout.block_size, seconds_per_token=slope, intercept_s=intercept,

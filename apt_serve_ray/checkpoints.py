@@ -21,6 +21,7 @@ SHAPES = {
     "opt-tiny-h32": ("opt", 64, 2, 2, 2, 128),  # head_dim 32: the smallest the fused kernel takes
     "llama-tiny-h32": ("llama", 64, 2, 2, 2, 128),
     "opt-125m": ("opt", 768, 12, 12, 12, 3072),
+    "opt-13b-2l": ("opt", 5120, 2, 40, 40, 20480),  # two layers of OPT-13B: its per-layer costs, 1.2 GB
 }
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # see apt_serve_ray.attention
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,11 @@ class EngineConfig:
     seed: int = 0
     max_model_len: int | None = None
     num_threads: int | None = None
+    # Attention over the paged cache: "auto" picks the fast path for the device (C++ kernels on CPU,
+    # Triton on CUDA); "torch" is the PyTorch reference. cache_proj_optimize: hidden-cache decode
+    # through the backend's fused kernel (K/V never written); False = gather x, project, attend.
+    attention_backend: str = "auto"
+    cache_proj_optimize: bool = True
     # Cache.
     block_size: int = 16
     cache_budget_bytes: int | None = None
@@ -58,6 +64,8 @@ class EngineConfig:
             raise ValueError(f"dtype: must be one of {_DTYPES}, got {self.dtype!r}")
         if self.device not in _DEVICES:
             raise ValueError(f"device: must be one of {_DEVICES}, got {self.device!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend: must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         _positive_int("block_size", self.block_size)
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
@@ -78,7 +86,7 @@ class EngineConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name}: must be a positive number, got {value!r}")
         for name in ("enable_hybrid_cache", "force_hidden", "enable_chunked_prefill", "enable_watermarks",
-                     "calibrate_rho"):
+                     "calibrate_rho", "cache_proj_optimize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")
         if self.force_hidden and not self.enable_hybrid_cache:

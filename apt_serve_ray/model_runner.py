@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import os
 
 import torch
 
@@ -15,7 +13,7 @@ from apt_serve_ray.cache.storage import CacheStorage
 from apt_serve_ray.config import EngineConfig
 from apt_serve_ray.model_loader import ModelSource, load_config, load_state_dict
 from apt_serve_ray.models import DecoderModel, model_class
-from apt_serve_ray.paged_attention import AttentionMetadata, DecodeGroup, PrefillChunk, SlotWrite
+from apt_serve_ray.attention import AttentionMetadata, DecodeGroup, PrefillChunk, SlotWrite, make_backend
 from apt_serve_ray.request import CacheKind, Request
 from apt_serve_ray.sampler import SampledToken, Sampler
 from apt_serve_ray.scheduler.output import ScheduledChunk, SchedulerOutput
@@ -26,10 +24,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _DEFAULT_CPU_CACHE_BYTES = 512 * 1024 * 1024
 
 
-def _has_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -38,10 +32,23 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def cpu_has_native_bf16() -> bool:
+    """AVX-512 BF16 or AMX: bf16 matmuls run at (or above) fp32 speed. Without them oneDNN emulates
+    bf16 and matmuls run several times slower than in fp32."""
+    try:
+        flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
+    """``auto``: bf16 on CUDA and on CPUs with native bf16, float32 on other CPUs."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
 class ModelRunner:
@@ -49,6 +56,10 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        if config.dtype == "auto":
+            logger.info("dtype auto: %s on %s%s", str(self.dtype).removeprefix("torch."), self.device.type,
+                        "" if self.device.type != "cpu" else
+                        f" ({'native' if cpu_has_native_bf16() else 'no native'} bf16 on this CPU)")
         self.hf_config = load_config(source)
         model_max = getattr(self.hf_config, "max_position_embeddings", None) or 2048
         if config.max_model_len is not None and config.max_model_len > model_max:
@@ -67,10 +78,8 @@ class ModelRunner:
         self.num_pages = self._num_pages()
         self.storage = CacheStorage(self.layout, self.num_pages, self.device, self.dtype)
         self.sampler = Sampler(config.seed)
-        # The fused Triton hidden-decode kernel runs on CUDA; APT_HIDDEN_KERNEL=1 forces it (with
-        # TRITON_INTERPRET=1 on CPU, for tests), =0 disables it.
-        forced = os.environ.get("APT_HIDDEN_KERNEL")
-        self.use_hidden_kernel = forced == "1" or (forced is None and self.device.type == "cuda" and _has_triton())
+        self.attention = make_backend(config.attention_backend, self.device, config.cache_proj_optimize)
+        logger.info("attention backend: %s", self.attention.describe())
 
     def _num_pages(self) -> int:
         if self.config.num_pages is not None:
@@ -110,42 +119,41 @@ class ModelRunner:
         return self.model.compute_logits(self.model.forward(input_ids, positions, meta)).float()
 
     def _prepare(self, chunks: list[ScheduledChunk]):
+        """The flat token batch of ``chunks`` and its attention metadata. Plain Python lists per row
+        (decode steps are many short rows), one tensor per field at the end."""
         ids: list[int] = []
         positions: list[int] = []
-        writes = {CacheKind.KV: ([], [], []), CacheKind.HIDDEN: ([], [], [])}
-        decodes = {CacheKind.KV: [], CacheKind.HIDDEN: []}
+        writes = {CacheKind.KV: ([], []), CacheKind.HIDDEN: ([], [])}  # (rows, slots)
+        decodes = {CacheKind.KV: [], CacheKind.HIDDEN: []}  # (row, context length, pages)
         prefills: list[PrefillChunk] = []
         sample_rows: list[int] = []
         sample_requests: list[Request] = []
         row = 0
         for chunk in chunks:
             r, n = chunk.request, chunk.num_tokens
-            start, end = r.num_computed_tokens, r.num_computed_tokens + chunk.num_tokens
+            start, end = r.num_computed_tokens, r.num_computed_tokens + n
             ids.extend(r.all_token_ids[start:end])
             positions.extend(range(start, end))
             tpp = self.layout.tokens_per_page(r.kind)
-            pages = torch.tensor(r.page_ids)
-            pos = torch.arange(start, end)
-            rows, wpages, woffs = writes[r.kind]
-            rows.append(torch.arange(row, row + n))
-            wpages.append(pages[pos // tpp])
-            woffs.append(pos % tpp)
+            page_ids = r.page_ids
+            rows, slots = writes[r.kind]
+            rows.extend(range(row, row + n))
+            slots.extend(page_ids[p // tpp] * tpp + p % tpp for p in range(start, end))
             if n == 1:
-                decodes[r.kind].append((row, end, pages))
+                decodes[r.kind].append((row, end, page_ids[: (end + tpp - 1) // tpp]))
             else:
                 c = PrefillChunk(row, n, start, r.kind is CacheKind.HIDDEN)
                 if start > 0:
                     ctx = torch.arange(end)
-                    c.pages, c.offsets = self._to(pages[ctx // tpp]), self._to(ctx % tpp)
+                    c.pages, c.offsets = self._to(torch.tensor(page_ids)[ctx // tpp]), self._to(ctx % tpp)
                 prefills.append(c)
             if chunk.completes:
                 sample_rows.append(row + n - 1)
                 sample_requests.append(r)
             row += n
-        meta = AttentionMetadata(storage=self.storage, num_tokens=row, prefills=prefills,
-                                 use_hidden_kernel=self.use_hidden_kernel)
-        meta.kv_write = self._slot_write(*writes[CacheKind.KV], self.layout.tokens_per_page(CacheKind.KV))
-        meta.hidden_write = self._slot_write(*writes[CacheKind.HIDDEN], self.layout.tokens_per_page(CacheKind.HIDDEN))
+        meta = AttentionMetadata(storage=self.storage, num_tokens=row, backend=self.attention, prefills=prefills)
+        meta.kv_write = self._slot_write(*writes[CacheKind.KV], CacheKind.KV)
+        meta.hidden_write = self._slot_write(*writes[CacheKind.HIDDEN], CacheKind.HIDDEN)
         meta.decode_kv = self._decode_group(decodes[CacheKind.KV], CacheKind.KV)
         meta.decode_hidden = self._decode_group(decodes[CacheKind.HIDDEN], CacheKind.HIDDEN)
         return self._to(torch.tensor(ids)), self._to(torch.tensor(positions)), meta, sample_rows, sample_requests
@@ -153,39 +161,26 @@ class ModelRunner:
     def _to(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device, non_blocking=True)
 
-    def _slot_write(self, rows, pages, offsets, tokens_per_page: int) -> SlotWrite | None:
+    def _slot_write(self, rows: list[int], slots: list[int], kind: CacheKind) -> SlotWrite | None:
         if not rows:
             return None
-        pages, offsets = torch.cat(pages), torch.cat(offsets)
-        return SlotWrite(self._to(torch.cat(rows)), self._to(pages), self._to(offsets),
-                         self._to(pages * tokens_per_page + offsets))
+        slots_t = torch.tensor(slots)
+        tpp = self.layout.tokens_per_page(kind)
+        return SlotWrite(self._to(torch.tensor(rows)), self._to(slots_t // tpp), self._to(slots_t % tpp),
+                         self._to(slots_t))
 
     def _decode_group(self, entries, kind: CacheKind) -> DecodeGroup | None:
         if not entries:
             return None
-        tokens_per_page = self.layout.tokens_per_page(kind)
-        rows = torch.tensor([e[0] for e in entries])
-        ctx = torch.tensor([e[1] for e in entries])
         max_pages = max(len(e[2]) for e in entries)
-        table = torch.zeros(len(entries), max_pages, dtype=torch.long)
-        for i, (_, _, pages) in enumerate(entries):
-            table[i, : len(pages)] = pages
-        length = int(ctx.max())
-        pos = torch.arange(length)
-        pages = table[:, pos // tokens_per_page]  # padding slots read page 0 and are masked out
-        offsets = (pos % tokens_per_page).expand(len(entries), length)
-        padding = (pos[None, :] >= ctx[:, None])[:, None, None, :]
-        add_mask = torch.zeros(padding.shape, dtype=torch.float32).masked_fill_(padding, float("-inf"))
-        slots = pages * tokens_per_page + offsets  # [B, L]
-        kv_index = None
-        if kind is CacheKind.KV:
-            # Rows of head_dim elements: ((slot * 2 + k_or_v) * kv_heads + head), laid out [2, B, KVH, L].
-            kvh = self.layout.num_kv_heads
-            kv_index = (slots.view(1, len(entries), 1, length) * (2 * kvh)
-                        + torch.arange(2).view(2, 1, 1, 1) * kvh + torch.arange(kvh).view(1, 1, kvh, 1)).flatten()
-        return DecodeGroup(self._to(rows), self._to(pages), self._to(offsets), self._to(pos), self._to(add_mask),
-                           self._to(table.to(torch.int32)), self._to(ctx.to(torch.int32)),
-                           self._to(slots.flatten()), None if kv_index is None else self._to(kv_index))
+        table = [pages + [0] * (max_pages - len(pages)) for _, _, pages in entries]
+        lens = [e[1] for e in entries]
+        return DecodeGroup(
+            rows=self._to(torch.tensor([e[0] for e in entries])),
+            block_table=self._to(torch.tensor(table, dtype=torch.int32)),
+            ctx_lens=self._to(torch.tensor(lens, dtype=torch.int32)),
+            max_len=max(lens), tokens_per_page=self.layout.tokens_per_page(kind),
+        )
 
     def _upgrade(self, plan: UpgradePlan) -> None:
         """Project K/V of every stored x into the new KV pages, layer by layer."""

@@ -15,6 +15,7 @@ class CacheStorage:
     def __init__(self, layout: CacheLayout, num_pages: int, device, dtype: torch.dtype) -> None:
         self.layout = layout
         self.num_pages = num_pages
+        self.dtype = dtype
         self.layers = [torch.zeros(num_pages, layout.page_elems, device=device, dtype=dtype) for _ in range(layout.num_layers)]
         tpp = layout.tokens_per_page(CacheKind.HIDDEN)
         # KV view [pages, block_size, 2, kv_heads, head_dim]; hidden view [pages, tokens, hidden].

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from apt_serve_ray.paged_attention import AttentionMetadata
+from apt_serve_ray.attention import AttentionMetadata, KVProjection
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,7 @@ class ModelShape:
 
 class DecoderModel:
     shape: ModelShape
+    kv_projections: list[KVProjection]  # per layer: what turns a stored x into K and V
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """[T] token ids at [T] positions -> [T, hidden] final hidden states."""
@@ -33,7 +34,7 @@ class DecoderModel:
 
     def project_kv(self, layer: int, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Stored x [..., n, hidden] -> rotated K and V [..., n, kv_heads, head_dim] of ``layer``."""
-        raise NotImplementedError
+        return self.kv_projections[layer](x, positions)
 
 
 def take(state: dict[str, torch.Tensor], name: str, device, dtype) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from apt_serve_ray.models.base import DecoderModel, ModelShape, fuse, take, take_optional
 from apt_serve_ray.models.linear import Linear
 from apt_serve_ray.models.rotary import RotaryEmbedding
-from apt_serve_ray.paged_attention import AttentionMetadata, paged_attention
+from apt_serve_ray.attention import AttentionMetadata, KVProjection
 
 
 class _Layer:
@@ -49,6 +49,11 @@ class LlamaModel(DecoderModel):
         self.lm_head = self.embed if lm_head is None or getattr(config, "tie_word_embeddings", False) else lm_head
         self.logits = Linear(self.lm_head, keep_weight=True)
         self.rotary = RotaryEmbedding(config, head_dim, max_model_len, device, dtype)
+        self.kv_projections = [
+            KVProjection(lay.w_qkv[self.q_dim :], None if lay.b_qkv is None else lay.b_qkv[self.q_dim :],
+                         self.shape.num_kv_heads, head_dim, self.rotary)
+            for lay in self.layers
+        ]
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # Same op order as transformers' LlamaRMSNorm (float32 statistics), so bf16 matches too.
@@ -68,27 +73,12 @@ class LlamaModel(DecoderModel):
             v = qkv[:, self.q_dim + self.kv_dim :].view(n, s.num_kv_heads, s.head_dim)
             q = self.rotary.apply(q, positions)
             k = self.rotary.apply(k, positions)
-            project = lambda xs, pos, i=i: self.project_kv(i, xs, pos)  # noqa: E731
-            a = paged_attention(i, q, k, v, x, project, meta, self.scale, self._hidden_params(i))
+            a = meta.backend.forward(i, q, k, v, x, self.kv_projections[i], meta, self.scale)
             h = h + layer.out(a.reshape(n, -1))
             x = self._rms_norm(h, layer.post_norm)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
             h = h + layer.down(F.silu(gate) * up)
         return self._rms_norm(h, self.norm)
 
-    def _hidden_params(self, layer: int):
-        lay = self.layers[layer]
-        b = None if lay.b_qkv is None else lay.b_qkv[self.q_dim :]
-        return lay.w_qkv[self.q_dim :], b, self.rotary.cos, self.rotary.sin
-
     def compute_logits(self, hidden):
         return self.logits(hidden)
-
-    def project_kv(self, layer, x, positions):
-        s, lay = self.shape, self.layers[layer]
-        w = lay.w_qkv[self.q_dim :]
-        b = None if lay.b_qkv is None else lay.b_qkv[self.q_dim :]
-        kv = F.linear(x, w, b)
-        k = kv[..., : self.kv_dim].unflatten(-1, (s.num_kv_heads, s.head_dim))
-        v = kv[..., self.kv_dim :].unflatten(-1, (s.num_kv_heads, s.head_dim))
-        return self.rotary.apply(k, positions), v

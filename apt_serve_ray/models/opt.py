@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from apt_serve_ray.models.base import DecoderModel, ModelShape, fuse, take, take_optional
 from apt_serve_ray.models.linear import Linear
-from apt_serve_ray.paged_attention import AttentionMetadata, paged_attention
+from apt_serve_ray.attention import AttentionMetadata, KVProjection
 
 _POSITION_OFFSET = 2  # OPT's learned position table is shifted by 2 (a fairseq legacy).
 
@@ -54,6 +54,11 @@ class OPTModel(DecoderModel):
         lm_head = take_optional(state, "lm_head.weight", device, dtype)
         self.lm_head = self.embed if lm_head is None or getattr(config, "tie_word_embeddings", True) else lm_head
         self.logits = Linear(self.lm_head, keep_weight=True)
+        self.kv_projections = [
+            KVProjection(lay.w_qkv[self.dim :], None if lay.b_qkv is None else lay.b_qkv[self.dim :], heads,
+                         self.shape.head_dim)
+            for lay in self.layers
+        ]
 
     def _norm(self, x, params):
         weight, bias = params
@@ -70,9 +75,7 @@ class OPTModel(DecoderModel):
             x = self._norm(h, layer.attn_norm) if self.pre_norm else h
             qkv = layer.qkv(x).view(n, 3, s.num_heads, s.head_dim)
             q, k, v = qkv.unbind(1)
-            project = lambda xs, pos, i=i: self.project_kv(i, xs, pos)  # noqa: E731
-            hidden_params = (layer.w_qkv[self.dim :], None if layer.b_qkv is None else layer.b_qkv[self.dim :], None, None)
-            a = paged_attention(i, q, k, v, x, project, meta, self.scale, hidden_params)
+            a = meta.backend.forward(i, q, k, v, x, self.kv_projections[i], meta, self.scale)
             h = h + layer.out(a.reshape(n, -1))
             if not self.pre_norm:
                 h = self._norm(h, layer.attn_norm)
@@ -88,9 +91,3 @@ class OPTModel(DecoderModel):
 
     def compute_logits(self, hidden):
         return self.logits(hidden)
-
-    def project_kv(self, layer, x, positions):
-        s, lay = self.shape, self.layers[layer]
-        kv = F.linear(x, lay.w_qkv[self.dim :], None if lay.b_qkv is None else lay.b_qkv[self.dim :])
-        k, v = kv.unflatten(-1, (2, s.num_heads, s.head_dim)).unbind(-3)
-        return k, v

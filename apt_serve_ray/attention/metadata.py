@@ -1,0 +1,90 @@
+"""What one step's attention needs to know, built by the model runner once per step and read by every
+layer: where this step's tokens are written, which rows decode over which pages, the prefill chunks,
+and (per layer, built once by the model) the weights that turn a stored x into K and V."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from apt_serve_ray.cache.storage import CacheStorage
+
+if TYPE_CHECKING:
+    from apt_serve_ray.attention.backend import AttentionBackend
+    from apt_serve_ray.models.rotary import RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class KVProjection:
+    """One layer's K/V projection: ``k, v = split(x @ w_kv^T + b_kv)``, K rotated for RoPE models.
+
+    ``w_kv`` is ``[2 * KVH * D, HID]``: the K rows, then the V rows (a view of the fused QKV weight)."""
+
+    w_kv: torch.Tensor
+    b_kv: torch.Tensor | None
+    num_kv_heads: int
+    head_dim: int
+    rotary: "RotaryEmbedding | None" = None
+
+    @property
+    def has_rope(self) -> bool:
+        return self.rotary is not None
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stored x [..., n, HID] at positions [n] -> K, V [..., n, KVH, D], K rotated."""
+        kv = F.linear(x, self.w_kv, self.b_kv).unflatten(-1, (2, self.num_kv_heads, self.head_dim))
+        k, v = kv.unbind(-3)
+        if self.rotary is not None:
+            k = self.rotary.apply(k, positions)
+        return k, v
+
+
+@dataclass
+class SlotWrite:
+    rows: torch.Tensor  # rows of this step's flat token batch
+    pages: torch.Tensor
+    offsets: torch.Tensor
+    slots: torch.Tensor  # page * tokens_per_page + offset
+
+
+@dataclass
+class DecodeGroup:
+    """Decode rows of one kind (one query token each) and the pages they attend over.
+
+    ``block_table[i, j]`` is request i's j-th page (padded with page 0); request i attends over its
+    first ``ctx_lens[i]`` tokens, the new one included (written before attention runs)."""
+
+    rows: torch.Tensor  # [B] rows of the flat batch
+    block_table: torch.Tensor  # [B, max_pages] int32
+    ctx_lens: torch.Tensor  # [B] int32
+    max_len: int
+    tokens_per_page: int
+    scratch: dict[str, Any] = field(default_factory=dict)  # per-step derived indices a backend caches
+
+    def __len__(self) -> int:
+        return self.rows.numel()
+
+
+@dataclass
+class PrefillChunk:
+    row_start: int
+    num_tokens: int
+    start_pos: int  # position of the chunk's first token
+    is_hidden: bool
+    pages: torch.Tensor | None = None  # [ctx] page of each context slot, only when start_pos > 0
+    offsets: torch.Tensor | None = None
+
+
+@dataclass
+class AttentionMetadata:
+    storage: CacheStorage
+    num_tokens: int
+    backend: "AttentionBackend"
+    kv_write: SlotWrite | None = None
+    hidden_write: SlotWrite | None = None
+    decode_kv: DecodeGroup | None = None
+    decode_hidden: DecodeGroup | None = None
+    prefills: list[PrefillChunk] = field(default_factory=list)

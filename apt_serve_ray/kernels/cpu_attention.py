@@ -1,0 +1,170 @@
+"""CPU decode attention that reads cache pages where they sit (C++/OpenMP), with PyTorch references.
+
+The extension (``csrc/cpu_attention.cpp``) is compiled on first use with ``torch.utils.cpp_extension``
+(g++ and ninja; ``scripts/setup.sh`` builds it ahead of time) for this CPU (``-march=native``): the
+build directory is keyed by the source, the torch version and the CPU's feature flags, so a machine
+with another CPU builds its own copy. ``load()`` raises ``RuntimeError`` saying what is missing when
+it cannot build; ``is_available()`` only answers.
+
+Layouts the wrappers assert (B requests, H query heads, KVH kv heads, D head dim)::
+
+    q            [B, H, D]              rotated query of each request's new token, contiguous
+    kv           [P, BS, 2, KVH, D]     one layer's KV view of the page pool
+    hidden       [P, TPP, HID]          one layer's hidden view (page stride free, tokens contiguous)
+    block_table  [B, max_pages] int32   each request's pages in order, padded with any page id
+    ctx_lens     [B] int32              tokens to attend over (stored, including the new one)
+
+Hidden decode comes in two forms. Without RoPE (OPT) the projection is absorbed into the query:
+``q.(W_k x + b_k) = (W_k^T q).x + q.b_k``; the constant drops out of the softmax, so the kernel scores
+``qk = scale * W_k^T q`` against the stored x and sums ``p x``; ``W_v`` and ``b_v`` are applied once
+to that sum. It costs ``2 * H * HID`` multiply-adds per context token per layer instead of the
+``2 * HID * 2 * KVH * D`` of projecting K and V, and never forms them. With RoPE (Llama) K depends on
+the position, so each page's K|V are projected in a thread-local tile (one small GEMM), K rotated at
+the tokens' positions, and attended at once: K/V never reach memory beyond that tile.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger("apt_serve_ray")
+
+_SOURCE = Path(__file__).parent / "csrc" / "cpu_attention.cpp"
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-std=c++17"]
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def _build_dir() -> tuple[str, Path]:
+    key = hashlib.sha256()
+    key.update(_SOURCE.read_bytes())
+    key.update(" ".join(_FLAGS).encode())
+    key.update(torch.__version__.encode())
+    key.update(_cpu_flags().encode())
+    name = f"apt_cpu_attention_{key.hexdigest()[:12]}"
+    root = Path(os.environ.get("APT_SERVE_EXTENSIONS_DIR")
+                or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "apt-serve-ray" / "extensions")
+    return name, root / name
+
+
+@functools.cache
+def load():
+    """Build (first call; later calls and processes reuse the build) and load the extension, which
+    registers ``torch.ops.apt_serve.{kv_decode, hidden_absorbed, hidden_projected}``."""
+    if os.environ.get("APT_SERVE_CPU_KERNELS", "1") == "0":
+        raise RuntimeError("CPU attention kernels disabled by APT_SERVE_CPU_KERNELS=0")
+    # torch finds ninja on PATH; a venv's bin (where pip puts ninja) is not on it unless activated.
+    bindir = os.path.dirname(sys.executable)
+    if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+    missing = [tool for tool in ("ninja", os.environ.get("CXX", "c++")) if shutil.which(tool) is None]
+    if missing:
+        raise RuntimeError(f"cannot build the CPU attention kernels: {', '.join(missing)} not found "
+                           "(install g++ and `pip install ninja`, or run scripts/setup.sh)")
+    from torch.utils import cpp_extension
+
+    name, directory = _build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        return cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+                                  build_directory=str(directory), verbose=False)
+    except Exception as exc:  # compiler errors arrive as RuntimeError / CalledProcessError / OSError
+        raise RuntimeError(f"cannot build the CPU attention kernels in {directory}: {exc}") from exc
+
+
+def is_available() -> bool:
+    try:
+        load()
+        return True
+    except RuntimeError as exc:
+        logger.warning("CPU attention kernels unavailable (%s): using the PyTorch path", exc)
+        return False
+
+
+# Wrappers ----------------------------------------------------------------------------------------
+def kv_decode(q, kv, block_table, ctx_lens, scale: float, part_tokens: int = 0) -> torch.Tensor:
+    """[B, H, D] attention of each request's query over its KV pages."""
+    load()
+    return torch.ops.apt_serve.kv_decode(q, kv, block_table, ctx_lens, float(scale), int(part_tokens))
+
+
+def absorb_query(q: torch.Tensor, w_k: torch.Tensor, num_kv_heads: int, scale: float) -> torch.Tensor:
+    """qk [B, H, HID] float32 = scale * W_k(head)^T q(head), with W_k [KVH * D, HID]."""
+    batch, heads, dim = q.shape
+    group = heads // num_kv_heads
+    wk = w_k.view(num_kv_heads, dim, -1)  # [KVH, D, HID]
+    qg = q.view(batch, num_kv_heads, group, dim).permute(1, 0, 2, 3).reshape(num_kv_heads, batch * group, dim)
+    qk = torch.bmm(qg, wk).view(num_kv_heads, batch, group, -1).permute(1, 0, 2, 3)  # [B, KVH, G, HID]
+    return qk.reshape(batch, heads, -1).float().mul_(scale).contiguous()
+
+
+def apply_value(y: torch.Tensor, w_v: torch.Tensor, b_v: torch.Tensor | None, num_kv_heads: int,
+                dtype: torch.dtype) -> torch.Tensor:
+    """out [B, H, D] = W_v(head) y(head) + b_v(head), with y [B, H, HID] = sum_t p_t x_t."""
+    batch, heads, hid = y.shape
+    group = heads // num_kv_heads
+    wv = w_v.view(num_kv_heads, -1, hid)  # [KVH, D, HID]
+    yg = y.to(dtype).view(batch, num_kv_heads, group, hid).permute(1, 0, 2, 3).reshape(num_kv_heads, batch * group, hid)
+    out = torch.bmm(yg, wv.transpose(1, 2)).view(num_kv_heads, batch, group, -1).permute(1, 0, 2, 3)
+    out = out.reshape(batch, heads, -1)
+    if b_v is not None:
+        out = out + b_v.view(num_kv_heads, 1, -1).repeat_interleave(group, 0).view(heads, -1)
+    return out
+
+
+def hidden_decode_absorbed(q, hidden, block_table, ctx_lens, w_kv, b_kv, num_kv_heads: int, scale: float,
+                           part_tokens: int = 0) -> torch.Tensor:
+    """Hidden-page decode for models without RoPE; same contract as the fused reference below."""
+    kv_dim = w_kv.shape[0] // 2
+    qk = absorb_query(q, w_kv[:kv_dim], num_kv_heads, scale)
+    load()
+    y = torch.ops.apt_serve.hidden_absorbed(qk, hidden, block_table, ctx_lens, int(part_tokens))
+    return apply_value(y, w_kv[kv_dim:], None if b_kv is None else b_kv[kv_dim:], num_kv_heads, q.dtype)
+
+
+def hidden_decode_projected(q, hidden, block_table, ctx_lens, w_kv_t, b_kv, cos, sin, num_kv_heads: int,
+                            scale: float, part_tokens: int = 0) -> torch.Tensor:
+    """Hidden-page decode projecting K|V page by page (RoPE models). ``w_kv_t`` is ``w_kv.t()`` (a view)."""
+    load()
+    return torch.ops.apt_serve.hidden_projected(q, hidden, block_table, ctx_lens, w_kv_t, b_kv, cos, sin,
+                                                int(num_kv_heads), float(scale), int(part_tokens))
+
+
+# References --------------------------------------------------------------------------------------
+def kv_decode_reference(q, kv, block_table, ctx_lens, scale: float) -> torch.Tensor:
+    """Gather each request's K/V into a padded batch and run SDPA with a padding mask."""
+    batch, heads, dim = q.shape
+    bs, kvh = kv.shape[1], kv.shape[3]
+    length = int(ctx_lens.max())
+    pos = torch.arange(length)
+    pages = block_table.long()[:, pos // bs]
+    gathered = kv[pages, (pos % bs).expand(batch, length)]  # [B, L, 2, KVH, D]
+    k, v = gathered[:, :, 0].transpose(1, 2), gathered[:, :, 1].transpose(1, 2)
+    mask = (pos[None, :] < ctx_lens[:, None].long())[:, None, None, :]
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=heads != kvh)
+    return o.squeeze(2)
+
+
+if __name__ == "__main__":  # `python -m apt_serve_ray.kernels.cpu_attention`: build now (set-up scripts)
+    logging.basicConfig(level=logging.INFO)
+    module = load()
+    print(f"CPU attention kernels ready: {module.__file__}")

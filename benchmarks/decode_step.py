@@ -1,0 +1,191 @@
+"""One engine step, timed whole, backend against backend: where a decode step's time goes.
+
+    python benchmarks/decode_step.py [--quick] [--threads 1 2] [--dtypes float32 bfloat16]
+                                     [--json docs/benchmarks/decode_step.json] [--profile]
+
+(from the repository root, with the package installed or ``PYTHONPATH=.``).
+
+On the random-weight OPT-125m-shape checkpoint (MHA: both cache kinds) it times ``ModelRunner.execute``
+(batch preparation + forward + lm-head + sampling: the whole step the engine runs) on decode batches
+of B requests, each with C tokens of context, for every combination of:
+
+* attention backend: ``torch`` (the PyTorch reference: gather pages into a padded batch, then
+  attend) and the device's fast one (``cpu``: C++ kernels reading pages in place; ``triton`` on CUDA);
+* cache kind: KV, hidden fused (``cache_proj_optimize=True``), hidden unfused (gather x, project K/V);
+* ``--device cuda --shape opt-13b-2l``: the same at OPT-13B layer shapes on a GPU (``gpu_check.sh``);
+* dtype and torch threads (``--dtypes``, ``--threads``).
+
+Every configuration gets its own engine over the same checkpoint and the same requests, and the
+configurations are interleaved per batch shape (round-robin, fastest of ``--repeats``), so a slow
+phase of a shared machine hits them alike. Timing is wall time (CPU time would sum threads).
+
+``--profile`` adds a torch.profiler breakdown of one configuration's decode step (``--profile-config``)
+by operator group (linear layers, attention, elementwise, ...). Outputs: a table on stdout and
+``--json`` with every point and the CPU it ran on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from apt_serve_ray import LLM
+from apt_serve_ray.calibration import _fake_request
+from apt_serve_ray.checkpoints import make_random_checkpoint
+from apt_serve_ray.model_runner import cpu_has_native_bf16
+from apt_serve_ray.request import CacheKind
+from apt_serve_ray.scheduler.output import ScheduledChunk, SchedulerOutput
+
+_DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "apt-serve-ray"
+# name: (attention_backend, kind, cache_proj_optimize); "fast" is the device's own backend (cpu / triton).
+CONFIGS = {
+    "torch kv": ("torch", CacheKind.KV, False),
+    "fast kv": ("fast", CacheKind.KV, True),
+    "torch hidden": ("torch", CacheKind.HIDDEN, False),
+    "fast hidden unfused": ("fast", CacheKind.HIDDEN, False),
+    "fast hidden fused": ("fast", CacheKind.HIDDEN, True),
+}
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build(path: str, backend: str, fused: bool, dtype: str, num_pages: int, device: str) -> LLM:
+    if backend == "fast":
+        backend = "triton" if device == "cuda" else "cpu"
+    return LLM(path, dtype=dtype, num_pages=num_pages, attention_backend=backend, cache_proj_optimize=fused,
+               device=device, force_hidden=False, enable_watermarks=False, calibrate_rho=False, max_model_len=2048)
+
+
+def decode_batch(llm: LLM, batch: int, context: int, kind: CacheKind) -> SchedulerOutput:
+    runner = llm.llm_engine.runner
+    layout = runner.layout
+    vocab = runner.model.shape.vocab_size
+    need = layout.num_pages_for(context, kind)
+    if need * batch > runner.num_pages:
+        raise ValueError(f"{batch} x {context} tokens of {kind.value} do not fit {runner.num_pages} pages")
+    requests = [_fake_request(i, context, 1, vocab, list(range(i * need, (i + 1) * need)), kind) for i in range(batch)]
+    return SchedulerOutput([ScheduledChunk(r, 1) for r in requests])
+
+
+def time_step(llm: LLM, out: SchedulerOutput) -> float:
+    runner = llm.llm_engine.runner
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+    sync()
+    t = time.perf_counter()
+    runner.execute(out)
+    sync()
+    return time.perf_counter() - t
+
+
+def profile_step(llm: LLM, out: SchedulerOutput, steps: int = 5) -> dict[str, float]:
+    from torch.profiler import ProfilerActivity, profile
+
+    runner = llm.llm_engine.runner
+    runner.execute(out)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            runner.execute(out)
+    groups: dict[str, float] = {}
+    for e in prof.key_averages():  # self time: every op counted once, in the op that spent it
+        groups[_group(e.key)] = groups.get(_group(e.key), 0.0) + e.self_cpu_time_total / 1e3 / steps
+    return dict(sorted(groups.items(), key=lambda kv: -kv[1]))
+
+
+def _group(name: str) -> str:
+    if "linear" in name or "mkldnn" in name or name in ("aten::addmm", "aten::mm"):
+        return "linear layers"
+    if name.startswith("apt_cpu_attention") or "kv_decode" in name or "hidden_" in name or "scaled_dot" in name \
+            or name in ("aten::bmm", "aten::matmul", "aten::softmax", "aten::_softmax", "aten::index_select"):
+        return "attention"
+    if name in ("aten::layer_norm", "aten::native_layer_norm", "aten::relu_", "aten::relu", "aten::add", "aten::add_",
+                "aten::mul", "aten::silu", "aten::embedding", "aten::rsqrt", "aten::pow", "aten::mean"):
+        return "norms / activations / residual"
+    if name in ("aten::index_copy_", "aten::stack", "aten::index_put_", "aten::index", "aten::cat"):
+        return "cache writes / row scatter"
+    if name in ("aten::argmax", "aten::log_softmax", "aten::topk", "aten::sort", "aten::_log_softmax"):
+        return "sampling"
+    return "other: " + name
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="batches 1, 8, 32 at 400 tokens only")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--contexts", type=int, nargs="+", default=[400, 1000])
+    p.add_argument("--threads", type=int, nargs="+", default=[1])
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--profile-config", default="fast kv")
+    p.add_argument("--profile-batch", type=int, default=8)
+    p.add_argument("--profile-context", type=int, default=400)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--shape", default="opt-125m", help="checkpoint shape (apt_serve_ray.checkpoints.SHAPES), "
+                   "e.g. opt-13b-2l: two layers of OPT-13B (hidden 5120, 40 heads)")
+    p.add_argument("--cache-dir", type=Path, default=_DEFAULT_CACHE)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.batches, args.contexts = [1, 8, 32], [400]
+    path = make_random_checkpoint(args.cache_dir / f"{args.shape}-bf16", args.shape, dtype="bfloat16")
+    max_tokens = max(args.batches) * max(args.contexts)
+    num_pages = (max_tokens + 15) // 16 + 8
+    rows, profiles = [], {}
+    device = torch.cuda.get_device_name() if args.device == "cuda" else \
+        f"{cpu_name()} (native bf16: {cpu_has_native_bf16()})"
+    print(f"device: {device}; torch {torch.__version__}; shape {args.shape}")
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for dtype in args.dtypes:
+            engines = {name: build(path, CONFIGS[name][0], CONFIGS[name][2], dtype, num_pages, args.device)
+                       for name in args.configs}
+            for context in args.contexts:
+                for batch in args.batches:
+                    outs = {n: decode_batch(engines[n], batch, context, CONFIGS[n][1]) for n in args.configs}
+                    best = {n: float("inf") for n in args.configs}
+                    for n in args.configs:
+                        time_step(engines[n], outs[n])  # warm-up
+                    for _ in range(args.repeats):
+                        for n in args.configs:
+                            best[n] = min(best[n], time_step(engines[n], outs[n]))
+                    for n in args.configs:
+                        rows.append(dict(threads=threads, dtype=dtype, batch=batch, context=context, config=n,
+                                         step_ms=best[n] * 1e3))
+                    ref = best.get("torch kv")
+                    line = "  ".join(f"{n} {best[n] * 1e3:7.1f}" for n in args.configs)
+                    ratio = f"  | torch kv / fast kv {ref / best['fast kv']:.2f}x" if ref and "fast kv" in best else ""
+                    print(f"threads={threads} {dtype:8s} B={batch:3d} ctx={context:5d} ms: {line}{ratio}", flush=True)
+            if args.profile and args.profile_config in engines:
+                out = decode_batch(engines[args.profile_config], args.profile_batch, args.profile_context,
+                                   CONFIGS[args.profile_config][1])
+                key = f"{args.profile_config} threads={threads} {dtype} B={args.profile_batch} ctx={args.profile_context}"
+                profiles[key] = profile_step(engines[args.profile_config], out)
+                print(f"profile {key}: " + ", ".join(f"{g} {ms:.1f} ms" for g, ms in profiles[key].items()))
+            del engines
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(dict(
+            device=device, cpu=cpu_name(), native_bf16=cpu_has_native_bf16(), torch=torch.__version__,
+            argv=sys.argv[1:], model=f"{args.shape} shape, random weights", rows=rows, profiles=profiles,
+        ), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

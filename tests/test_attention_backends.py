@@ -1,0 +1,190 @@
+"""Attention backends against the PyTorch reference: the C++ CPU kernels one by one (both cache kinds,
+GQA and MHA, RoPE and learned positions, page boundaries, odd lengths, one and two threads, split
+contexts), then whole engines on each backend against the reference backend (mixed batches too)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from apt_serve_ray import LLM, SamplingParams
+from apt_serve_ray.attention import AttentionBackend, make_backend
+from apt_serve_ray.kernels import cpu_attention as ca
+from apt_serve_ray.kernels.hidden_attention import hidden_decode_attention_reference as hidden_reference
+from apt_serve_ray.request import CacheKind
+
+pytestmark = pytest.mark.skipif(not ca.is_available(), reason="the C++ CPU attention kernels cannot be built here")
+
+LENGTHS = [1, 15, 16, 17, 63, 100, 250]  # inside, at and across page boundaries
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def _table(lens, tokens_per_page, num_pages, g):
+    max_pages = max((n + tokens_per_page - 1) // tokens_per_page for n in lens)
+    return torch.stack([torch.randperm(num_pages, generator=g)[:max_pages] for _ in lens]).to(torch.int32)
+
+
+def _tolerance(dtype):
+    return 2e-5 if dtype == torch.float32 else 3e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 64), (8, 2, 32), (6, 1, 40), (2, 2, 128), (4, 4, 16)])
+@pytest.mark.parametrize("part_tokens", [0, 16, 48])
+def test_kv_decode_matches_reference(dtype, heads, kv_heads, dim, part_tokens, threads):
+    g = torch.Generator().manual_seed(heads * 100 + dim)
+    block_size, num_pages = 16, 80
+    kv = torch.randn(num_pages, block_size, 2, kv_heads, dim, generator=g).to(dtype)
+    q = torch.randn(len(LENGTHS), heads, dim, generator=g).to(dtype)
+    table, lens = _table(LENGTHS, block_size, num_pages, g), torch.tensor(LENGTHS, dtype=torch.int32)
+    out = ca.kv_decode(q, kv, table, lens, dim**-0.5, part_tokens)
+    ref = ca.kv_decode_reference(q.float(), kv.float(), table, lens, dim**-0.5)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert (out.float() - ref).abs().max() < _tolerance(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rope", [False, True], ids=["learned-positions", "rope"])
+@pytest.mark.parametrize("heads,kv_heads,dim,hid", [(4, 4, 16, 64), (4, 2, 32, 128), (12, 12, 64, 768), (3, 3, 10, 30)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_hidden_decode_matches_reference(dtype, rope, heads, kv_heads, dim, hid, bias, threads):
+    g = torch.Generator().manual_seed(hid + heads)
+    tpp, num_pages = 8, 80
+    # A page is wider than the hidden view (GQA: hidden pages have an unused tail): page stride free.
+    pool = torch.randn(num_pages, 2 * tpp * hid, generator=g).to(dtype)
+    hidden = pool[:, : tpp * hid].view(num_pages, tpp, hid)
+    lens = [1, 7, 8, 9, 33, 150]
+    table, ctx = _table(lens, tpp, num_pages, g), torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(len(lens), heads, dim, generator=g).to(dtype)
+    w = (torch.randn(2 * kv_heads * dim, hid, generator=g) / hid**0.5).to(dtype)
+    b = (torch.randn(2 * kv_heads * dim, generator=g) * 0.1).to(dtype) if bias else None
+    cos = sin = None
+    if rope:
+        inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+        emb = torch.cat([torch.arange(256).float()[:, None] * inv[None, :]] * 2, dim=-1)
+        cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    f = lambda t: None if t is None else t.float()  # noqa: E731
+    ref = hidden_reference(q.float(), hidden.float(), table, ctx, w.float(), f(b), f(cos), f(sin), kv_heads, dim**-0.5)
+    for part in (0, 16):
+        if rope:
+            out = ca.hidden_decode_projected(q, hidden, table, ctx, w.t(), b, cos, sin, kv_heads, dim**-0.5, part)
+        else:
+            out = ca.hidden_decode_absorbed(q, hidden, table, ctx, w, b, kv_heads, dim**-0.5, part)
+        assert out.dtype == dtype and out.shape == q.shape
+        assert (out.float() - ref).abs().max() < 2 * _tolerance(dtype), part
+
+
+def test_kernels_reject_bad_layouts_with_clear_errors():
+    q = torch.randn(2, 4, 16)
+    kv = torch.randn(10, 16, 2, 4, 16)
+    table, lens = torch.zeros(2, 1, dtype=torch.int32), torch.tensor([3, 5], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="block_table"):
+        ca.kv_decode(q, kv, table.long(), lens, 0.25)
+    with pytest.raises(RuntimeError, match="ctx_lens"):
+        ca.kv_decode(q, kv, table, torch.tensor([0, 5], dtype=torch.int32), 0.25)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        ca.kv_decode(q.to(torch.bfloat16), kv, table, lens, 0.25)
+    with pytest.raises(RuntimeError, match="kv"):
+        ca.kv_decode(q, kv.transpose(1, 3), table, lens, 0.25)
+
+
+def test_backend_registry_names_the_valid_choices():
+    cpu = torch.device("cpu")
+    assert make_backend("torch", cpu).name == "torch"
+    assert make_backend("auto", cpu).name == "cpu"
+    assert make_backend("cpu", cpu, fused_hidden=False).fused_hidden is False
+    with pytest.raises(ValueError, match=r"attention_backend: unknown backend 'flash'.*'torch'"):
+        make_backend("flash", cpu)
+    with pytest.raises(ValueError, match="CUDA"):
+        make_backend("triton", cpu)
+
+
+def test_auto_falls_back_to_the_reference_when_the_kernels_cannot_build(monkeypatch):
+    monkeypatch.setattr(ca, "is_available", lambda: False)
+    assert type(make_backend("auto", torch.device("cpu"))) is AttentionBackend
+
+
+# Whole engines ------------------------------------------------------------------------------------
+PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=10)
+
+
+def _prompts(n, seed, lo=3, hi=90):
+    rng = random.Random(seed)
+    return [[rng.randrange(10, 49000) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+def _generate(path, backend, fused=True, dtype="float32", **kw):
+    llm = LLM(path, dtype=dtype, num_pages=300, attention_backend=backend, cache_proj_optimize=fused,
+              enable_watermarks=False, max_num_batched_tokens=48, calibrate_rho=False, **kw)
+    outs = llm.generate(_prompts(6, seed=11), PARAMS)
+    stats = llm.cache_stats()
+    assert stats["num_free_pages"] == stats["num_pages"]
+    return outs
+
+
+def _assert_close(a, b, tol):
+    for x, y in zip(a, b):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        for lx, ly in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
+            common = set(lx) & set(ly)
+            assert len(common) >= 8 and max(abs(lx[t] - ly[t]) for t in common) < tol
+
+
+@pytest.mark.parametrize("shape,ratio,force", [
+    ("opt-tiny", 0.0, False), ("opt-tiny", 0.5, False), ("opt-tiny", 1.0, False),
+    ("llama-tiny", 0.5, False), ("llama-tiny", 1.0, False), ("llama-tiny-gqa", 0.0, False),
+    ("llama-tiny-gqa", 1.0, True),
+])
+def test_engine_on_cpu_kernels_matches_reference_backend(checkpoint, shape, ratio, force):
+    path = checkpoint(shape)
+    kw = dict(cache_ratio=ratio, force_hidden=force)
+    reference = _generate(path, "torch", **kw)
+    for fused in (True, False):
+        outs = _generate(path, "cpu", fused, **kw)
+        kinds = {o.metrics.cache_kind for o in outs}
+        assert kinds == ({"kv"} if ratio == 0 else {"hidden"} if ratio == 1 else {"kv", "hidden"})
+        _assert_close(reference, outs, 1e-4)
+
+
+def test_engine_on_cpu_kernels_in_bfloat16_stays_close(opt_tiny):
+    reference = _generate(opt_tiny, "torch", dtype="bfloat16", cache_ratio=0.5)
+    outs = _generate(opt_tiny, "cpu", dtype="bfloat16", cache_ratio=0.5)
+    for x, y in zip(reference, outs):  # bf16 rounds differently per path: compare the first tokens' logprobs
+        lx, ly = x.outputs[0].logprobs[0], y.outputs[0].logprobs[0]
+        assert max(abs(lx[t] - ly[t]) for t in set(lx) & set(ly)) < 0.1
+
+
+def test_prompt_logits_hidden_equal_kv_on_cpu_kernels(llama_tiny):
+    llm = LLM(llama_tiny, dtype="float32", num_pages=64, cache_ratio=1.0, attention_backend="cpu")
+    ids = _prompts(1, seed=3, lo=40, hi=41)[0]
+    engine = llm.llm_engine
+    assert torch.allclose(engine.prompt_logits(ids, CacheKind.KV), engine.prompt_logits(ids, CacheKind.HIDDEN),
+                          atol=1e-4, rtol=0)
+
+
+def test_dtype_auto_follows_the_cpus_native_bf16(monkeypatch, opt_tiny):
+    import apt_serve_ray.model_runner as mr
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(mr, "cpu_has_native_bf16", lambda: True)
+    assert mr.resolve_dtype("auto", cpu) == torch.bfloat16
+    monkeypatch.setattr(mr, "cpu_has_native_bf16", lambda: False)
+    assert mr.resolve_dtype("auto", cpu) == torch.float32
+    assert mr.resolve_dtype("bfloat16", cpu) == torch.bfloat16  # an explicit choice always wins
+    assert LLM(opt_tiny, num_pages=16, calibrate_rho=False).llm_engine.runner.dtype == torch.float32
+
+
+def test_bad_backend_arguments_name_the_field(opt_tiny):
+    with pytest.raises(ValueError, match="attention_backend"):
+        LLM(opt_tiny, num_pages=16, attention_backend="flash")
+    with pytest.raises(ValueError, match="cache_proj_optimize"):
+        LLM(opt_tiny, num_pages=16, cache_proj_optimize="yes")
