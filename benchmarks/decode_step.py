@@ -144,8 +144,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.batches, args.contexts = [1, 8, 32], [400]
     path = make_random_checkpoint(args.cache_dir / f"{args.shape}-bf16", args.shape, dtype="bfloat16")
-    max_tokens = max(args.batches) * max(args.contexts)
-    num_pages = (max_tokens + 15) // 16 + 8
+    num_pages = max(args.batches) * -(-max(args.contexts) // 16) + 8  # every request on its own KV pages
     rows, profiles = [], {}
     device = torch.cuda.get_device_name() if args.device == "cuda" else \
         f"{cpu_name()} (native bf16: {cpu_has_native_bf16()})"

@@ -10,6 +10,11 @@ started for the committed results: ``docs/benchmarks.md`` ("Against vLLM").
 
 The traces are ``serving_policies.py``'s (same workloads, seed, ``--max-model-len`` and output caps):
 one base trace per workload, token ids filled with a seed, re-timed for every rate with Gamma gaps.
+``--probe`` measures the engine's speed through the server before any SLO question: single-stream
+TTFT and TPOT (``--probe-single`` requests one after another, concurrency 1) and saturated output
+tokens/s (``--probe-saturated`` requests sent at once), on vLLM ``random`` requests of
+``--probe-input-len`` / ``--probe-output-len`` tokens (range ratio 0.1). ``--probe-only`` skips the sweep.
+
 Every request streams from ``/v1/completions`` with ``ignore_eos`` and is timed on the client by
 ``online_client.send_request``: TTFT, every inter-token gap, errors (an HTTP error, a 503 from
 admission control or a timeout counts as a miss). Attainment: TTFT < ``--ttft-slo-ms`` and P99 gap
@@ -89,6 +94,44 @@ def sweep(workload: str, url: str, model: str, args) -> dict:
                       "output_lens": [r.output_len for r in base]}}
 
 
+def probe(url: str, model: str, args) -> dict:
+    """Single-stream latency (concurrency 1) and saturated throughput (everything at once)."""
+    result = {"input_len": args.probe_input_len, "output_len": args.probe_output_len}
+    for name, num, concurrency in (("single", args.probe_single, 1), ("saturated", args.probe_saturated, None)):
+        trace = workloads.make_random_trace(num, math.inf, args.probe_input_len, args.probe_output_len, 0.1,
+                                            seed=args.seed + 1, max_model_len=args.max_model_len)
+        trace = workloads.fill_token_ids(trace, args.vocab_size, args.seed + 1)
+        client = argparse.Namespace(ignore_eos=True, timeout=args.timeout, max_concurrency=concurrency,
+                                    disable_tqdm=True)
+        timelines, duration = asyncio.run(replay(trace, url, model, client, {}))
+        s = slo_metrics.summarize(timelines, duration)
+        result[name] = {k: s[k] for k in ("completed", "failed", "duration", "output_throughput", "mean_ttft_ms",
+                                          "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
+                                          "median_itl_ms", "p99_itl_ms", "total_output_tokens")}
+        print(f"  probe {name:9s} ({num} requests, concurrency {concurrency or num}): ttft median "
+              f"{s['median_ttft_ms']:6.0f} ms  tpot median {s['median_tpot_ms']:6.1f} ms  itl median "
+              f"{s['median_itl_ms']:6.1f} p99 {s['p99_itl_ms']:6.0f} ms  out {s['output_throughput']:6.1f} tok/s"
+              + (f"  failed {s['failed']}" if s["failed"] else ""), flush=True)
+    return result
+
+
+def print_probe_table(report: dict, baseline: str | None) -> None:
+    servers = {label: s["probe"] for label, s in report["servers"].items() if s.get("probe")}
+    if not servers:
+        return
+    print("\nEngine speed through the server (client side)")
+    print(f"  {'server':24s} {'TTFT c=1':>9s} {'TPOT c=1':>9s} {'tok/s sat':>10s} {'ITL sat':>8s}")
+    base = servers.get(baseline)
+    for label, p in servers.items():
+        one, sat = p["single"], p["saturated"]
+        ratio = ""
+        if base is not None and label != baseline:
+            ratio = (f"   TPOT {one['median_tpot_ms'] / base['single']['median_tpot_ms']:.2f}x, "
+                     f"tok/s {sat['output_throughput'] / base['saturated']['output_throughput']:.2f}x of {baseline}")
+        print(f"  {label:24s} {one['median_ttft_ms']:7.0f}ms {one['median_tpot_ms']:7.1f}ms "
+              f"{sat['output_throughput']:10.1f} {sat['median_itl_ms']:6.0f}ms{ratio}")
+
+
 def print_table(report: dict, baseline: str | None) -> None:
     print("\nEffective throughput (req/s): highest rate with SLO attainment >= 90% / >= 60%")
     names = {w for s in report["servers"].values() for w in s["workloads"]}
@@ -134,6 +177,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out-dir", type=Path, default=None, help="attainment plots of every label in the JSON")
     ap.add_argument("--table-only", action="store_true", help="print the table of --json and exit")
     ap.add_argument("--disable-tqdm", action="store_true")
+    ap.add_argument("--probe", action="store_true", help="also measure single-stream and saturated speed")
+    ap.add_argument("--probe-only", action="store_true", help="only the probe, no rate sweep")
+    ap.add_argument("--probe-input-len", type=int, default=384)
+    ap.add_argument("--probe-output-len", type=int, default=128)
+    ap.add_argument("--probe-single", type=int, default=8, help="requests at concurrency 1")
+    ap.add_argument("--probe-saturated", type=int, default=64, help="requests sent at once")
     args = ap.parse_args(argv)
     for name in ("num_requests", "max_model_len"):
         if getattr(args, name) < 1:
@@ -153,16 +202,22 @@ def main(argv=None) -> int:
             asyncio.run(warm_up(url, model, args))
         except (OSError, aiohttp.ClientError) as e:
             return f"error: cannot reach {base_url}: {e}"  # type: ignore[return-value]
+        previous = report["servers"].get(args.label, {})
         result = {"url": base_url, "model": model, "note": args.note, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
                   "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                  "workloads": {w: sweep(w, url, model, args) for w in args.workloads}}
-        previous = report["servers"].get(args.label, {}).get("workloads", {})
-        result["workloads"] = {**previous, **result["workloads"]}  # one label, workloads run one at a time
+                  "probe": previous.get("probe"), "workloads": {}}
+        if args.probe or args.probe_only:
+            print(f"\n== {args.label} probe", flush=True)
+            result["probe"] = probe(url, model, args)
+        if not args.probe_only:
+            result["workloads"] = {w: sweep(w, url, model, args) for w in args.workloads}
+        result["workloads"] = {**previous.get("workloads", {}), **result["workloads"]}  # workloads run one at a time
         report["servers"][args.label] = result
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(report, indent=1))
             print(f"\nwritten {args.json}")
+    print_probe_table(report, args.baseline)
     print_table(report, args.baseline)
     if args.out_dir:
         workload_names = sorted({w for s in report["servers"].values() for w in s["workloads"]})

@@ -496,95 +496,108 @@ torch::Tensor kv_decode(const torch::Tensor& q, const torch::Tensor& kv, const t
 }
 
 // Hidden pages, absorbed (no RoPE) --------------------------------------------------------------------
-// Rows are the hidden size (hundreds to thousands): scores take four tokens at a time against one
-// head (four accumulators, the head's query streamed once per four tokens); values take two heads
-// at a time over 2W-wide column blocks, the block's accumulators in registers across the page.
+// Rows are the hidden size (hundreds to thousands), so a page is two small matrix products:
+//   scores [H, n] = qk [H, HID] . x [n, HID]^T     blocks of 4 tokens x 2 heads (16 accumulators)
+//   acc    [H, HID] += p [H, n] . x [n, HID]       blocks of 4 heads x one 2W-column block, the
+//                                                  accumulators in registers across the page's tokens
+// Each block reads a 2W-column slice of x once for several heads or tokens. ``fast`` needs HID a
+// multiple of 2W (float rows are then read in natural order, bf16 rows split; see the top).
 template <typename T>
-void hidden_page(const T* pg, int64_t tok_stride, int64_t n, int64_t heads, int64_t hid, const float* qk, float* s,
-                 int64_t s_stride, Partial& st, bool fast) {
-  for (int64_t h = 0; h < heads; ++h) {
-    const float* qh = qk + h * hid;
-    float* sh = s + h * s_stride;
-    int64_t t = 0;
-    if (fast) {
-      for (; t + 4 <= n; t += 4) {
-        const T* x0 = pg + t * tok_stride;
-        vf a[8];
-        for (auto& r : a) r = vzero();
-        for (int64_t i = 0; i < hid; i += 2 * W) {
-          const vf qe = vload(qh + i), qo = vload(qh + i + W);
-          for (int j = 0; j < 4; ++j) {
-            const T* x = x0 + j * tok_stride + i;
-            if constexpr (is_bf16<T>) {
-              const vi r = vload_raw(x);
-              a[2 * j] = vfma(qe, bf16_even(r), a[2 * j]);
-              a[2 * j + 1] = vfma(qo, bf16_odd(r), a[2 * j + 1]);
-            } else {
-              a[2 * j] = vfma(qe, vload(x), a[2 * j]);
-              a[2 * j + 1] = vfma(qo, vload(x + W), a[2 * j + 1]);
-            }
-          }
-        }
-        for (int j = 0; j < 4; ++j) sh[t + j] = vsum(vadd(a[2 * j], a[2 * j + 1]));
-      }
+inline void load_cols(const T* x, vf& e, vf& o) {
+  if constexpr (is_bf16<T>) {
+    const vi r = vload_raw(x);
+    e = bf16_even(r);
+    o = bf16_odd(r);
+  } else {
+    e = vload(x);
+    o = vload(x + W);
+  }
+}
+
+// Scores of tokens [t, t + NT) against heads [h, h + NH) over the whole row.
+template <int NT, int NH, typename T>
+inline void hidden_scores_block(const T* x0, int64_t tok_stride, const float* q0, int64_t hid, float* s,
+                                int64_t s_stride) {
+  vf a[NT][NH][2];
+  for (int j = 0; j < NT; ++j)
+    for (int k = 0; k < NH; ++k) a[j][k][0] = a[j][k][1] = vzero();
+  for (int64_t i = 0; i < hid; i += 2 * W) {
+    vf qe[NH], qo[NH];
+    for (int k = 0; k < NH; ++k) {
+      qe[k] = vload(q0 + k * hid + i);
+      qo[k] = vload(q0 + k * hid + i + W);
     }
-    for (; t < n; ++t) {
-      if (fast) {
-        vf a[2] = {vzero(), vzero()};
-        for (int64_t i = 0; i < hid; i += 2 * W) {
-          const float* qi = qh + i;
-          const T* x = pg + t * tok_stride + i;
-          if constexpr (is_bf16<T>) {
-            const vi r = vload_raw(x);
-            a[0] = vfma(vload(qi), bf16_even(r), a[0]);
-            a[1] = vfma(vload(qi + W), bf16_odd(r), a[1]);
-          } else {
-            a[0] = vfma(vload(qi), vload(x), a[0]);
-            a[1] = vfma(vload(qi + W), vload(x + W), a[1]);
-          }
-        }
-        sh[t] = vsum(vadd(a[0], a[1]));
-      } else {
-        sh[t] = dot_scalar(qh, pg + t * tok_stride, hid);
+    for (int j = 0; j < NT; ++j) {
+      vf e, o;
+      load_cols(x0 + j * tok_stride + i, e, o);
+      for (int k = 0; k < NH; ++k) {
+        a[j][k][0] = vfma(qe[k], e, a[j][k][0]);
+        a[j][k][1] = vfma(qo[k], o, a[j][k][1]);
       }
     }
   }
-  st.absorb_scores(s, s_stride, n);
+  for (int j = 0; j < NT; ++j)
+    for (int k = 0; k < NH; ++k) s[k * s_stride + j] = vsum(vadd(a[j][k][0], a[j][k][1]));
+}
+
+// acc[h .. h + NH) columns [i, i + 2W) += sum over the page's n tokens of p[h][t] x[t].
+template <int NH, typename T>
+inline void hidden_values_block(const T* x0, int64_t tok_stride, int64_t n, const float* p, int64_t s_stride,
+                                float* acc, int64_t hid) {
+  vf a[NH][2];
+  for (int k = 0; k < NH; ++k) {
+    a[k][0] = vload(acc + k * hid);
+    a[k][1] = vload(acc + k * hid + W);
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    vf e, o;
+    load_cols(x0 + t * tok_stride, e, o);
+    for (int k = 0; k < NH; ++k) {
+      const vf pk = vset1(p[k * s_stride + t]);
+      a[k][0] = vfma(pk, e, a[k][0]);
+      a[k][1] = vfma(pk, o, a[k][1]);
+    }
+  }
+  for (int k = 0; k < NH; ++k) {
+    vstore(acc + k * hid, a[k][0]);
+    vstore(acc + k * hid + W, a[k][1]);
+  }
+}
+
+template <typename T>
+void hidden_page(const T* pg, int64_t tok_stride, int64_t n, int64_t heads, int64_t hid, const float* qk, float* s,
+                 int64_t s_stride, Partial& st, bool fast) {
   if (!fast) {
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t t = 0; t < n; ++t) s[h * s_stride + t] = dot_scalar(qk + h * hid, pg + t * tok_stride, hid);
+    st.absorb_scores(s, s_stride, n);
     for (int64_t h = 0; h < heads; ++h)
       for (int64_t t = 0; t < n; ++t) axpy_scalar(st.acc.data() + h * hid, s[h * s_stride + t], pg + t * tok_stride, hid);
     return;
   }
+  int64_t h = 0;
+  for (; h + 2 <= heads; h += 2) {
+    int64_t t = 0;
+    for (; t + 4 <= n; t += 4)
+      hidden_scores_block<4, 2>(pg + t * tok_stride, tok_stride, qk + h * hid, hid, s + h * s_stride + t, s_stride);
+    for (; t < n; ++t)
+      hidden_scores_block<1, 2>(pg + t * tok_stride, tok_stride, qk + h * hid, hid, s + h * s_stride + t, s_stride);
+  }
+  for (; h < heads; ++h) {
+    int64_t t = 0;
+    for (; t + 4 <= n; t += 4)
+      hidden_scores_block<4, 1>(pg + t * tok_stride, tok_stride, qk + h * hid, hid, s + h * s_stride + t, s_stride);
+    for (; t < n; ++t)
+      hidden_scores_block<1, 1>(pg + t * tok_stride, tok_stride, qk + h * hid, hid, s + h * s_stride + t, s_stride);
+  }
+  st.absorb_scores(s, s_stride, n);
+  float* acc = st.acc.data();
   for (int64_t i = 0; i < hid; i += 2 * W) {
-    for (int64_t h = 0; h < heads; h += 2) {
-      const int64_t nh = std::min<int64_t>(2, heads - h);
-      vf a[4];
-      for (int j = 0; j < nh; ++j) {
-        a[2 * j] = vload(st.acc.data() + (h + j) * hid + i);
-        a[2 * j + 1] = vload(st.acc.data() + (h + j) * hid + i + W);
-      }
-      for (int64_t t = 0; t < n; ++t) {
-        const T* x = pg + t * tok_stride + i;
-        vf e, o;
-        if constexpr (is_bf16<T>) {
-          const vi r = vload_raw(x);
-          e = bf16_even(r);
-          o = bf16_odd(r);
-        } else {
-          e = vload(x);
-          o = vload(x + W);
-        }
-        for (int j = 0; j < nh; ++j) {
-          const vf p = vset1(s[(h + j) * s_stride + t]);
-          a[2 * j] = vfma(p, e, a[2 * j]);
-          a[2 * j + 1] = vfma(p, o, a[2 * j + 1]);
-        }
-      }
-      for (int j = 0; j < nh; ++j) {
-        vstore(st.acc.data() + (h + j) * hid + i, a[2 * j]);
-        vstore(st.acc.data() + (h + j) * hid + i + W, a[2 * j + 1]);
-      }
-    }
+    int64_t k = 0;
+    for (; k + 4 <= heads; k += 4)
+      hidden_values_block<4>(pg + i, tok_stride, n, s + k * s_stride, s_stride, acc + k * hid + i, hid);
+    for (; k < heads; ++k)
+      hidden_values_block<1>(pg + i, tok_stride, n, s + k * s_stride, s_stride, acc + k * hid + i, hid);
   }
 }
 

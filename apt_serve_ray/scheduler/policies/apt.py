@@ -124,7 +124,9 @@ class AdaptiveScheduler(SchedulingPolicy):
         hidden_ok = np.zeros(n, dtype=bool)
         if ctx.hidden_allowed:
             hidden_ok[:n_run] = is_hidden[:n_run]
-            hidden_ok[n_run:] = True
+            # New requests get the hidden kind only where it can raise throughput (see the method).
+            hidden_ok[n_run:] = self.hidden_pays_for_throughput(ctx.cache.pool.num_pages * lay.block_size,
+                                                                lay.hidden_ratio)
         pending = np.fromiter((r.pending_time(now) for r in candidates), dtype=np.float64, count=n)
         missed = np.fromiter((r.has_missed_slo(now) for r in candidates), dtype=bool, count=n)
         value = self._values(candidates, pending, missed, now)
@@ -203,8 +205,27 @@ class AdaptiveScheduler(SchedulingPolicy):
             key = lambda r: (r.request_id not in self._protected, -rank.get(id(r), 0.0))  # noqa: E731
             run_running(ctx, sorted(ctx.running, key=key), victim_key=key, chunked=True)
 
+    def hidden_pays_for_throughput(self, kv_capacity_tokens: int, hidden_ratio: float) -> bool:
+        """Whether filling memory with hidden requests raises decode throughput at all.
+
+        With the pool full, N requests of which x are hidden (page share ``h`` of KV): every request
+        beyond the KV capacity K needs ``1 / (1 - h)`` conversions to hidden, so the step is
+        ``T(N) = a + beta N + r L (N - K) / (1 - h)`` (a: the fixed step cost, beta: per request,
+        r: the hidden kind's extra seconds per context token, L: context per request). Tokens per
+        second N / T(N) grow with N exactly when ``a > r * K * L / (1 - h)``, whatever N is: the
+        fixed cost a step amortises must exceed the recompute of the KV capacity's worth of tokens
+        held hidden. On a GPU decode is memory-bound and ``a`` (reading the weights) dominates; on a
+        CPU the recompute usually does (measured, OPT-125m on 2 cores: a = 3-4 ms, r = 2 us/token,
+        6,048-token pool: 25 ms), and a pool full of hidden requests ran 0.65x KV's tokens per second.
+        """
+        if self.step_model is None or not self.rho:
+            return True
+        fixed = self.step_model.predict(1, 1)
+        per_token = self.rho / self.config.block_size if self.config is not None else self.rho / 16
+        return fixed > per_token * kv_capacity_tokens / max(1e-9, 1.0 - hidden_ratio)
+
     def _cap_hidden(self, candidates, n_run, order, hidden, is_hidden, need, mem_kv, mem_hidden, spare):
-        """Keep the step time with the hidden kind's recompute under the tightest TBT target.
+        """Admit a waiting request as hidden only where it keeps the step under the TBT target.
 
         Recomputing K/V for a hidden request lengthens every later step, for every request in the
         batch, while it stays hidden. The knapsack prices that as ``U * rho * m``, which is 0 when U
@@ -215,6 +236,8 @@ class AdaptiveScheduler(SchedulingPolicy):
         keeps the hidden kind only while the predicted decode step with all hidden recompute stays
         under ``tbt_headroom`` x the tightest TBT target among the running and the chosen; otherwise
         it takes KV pages if the spare pages allow, or waits. Returns (spare pages, dropped indices).
+        (Where the hidden kind cannot raise throughput at all, the knapsack is not offered it:
+        ``hidden_pays_for_throughput``.)
         """
         per_page = self.rho or 0.0
         if self.step_model is None or not per_page:
