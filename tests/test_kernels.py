@@ -45,7 +45,7 @@ def test_engine_with_forced_kernel_matches_torch_path(checkpoint, shape):
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
-def test_packed_linear_matches_f_linear_bit_for_bit_in_bf16():
+def test_packed_linear_matches_f_linear_bit_for_bit_in_bf16_and_to_rounding_in_float32():
     import torch.nn.functional as F
 
     from apt_serve_ray.models.linear import Linear, packing_available
@@ -63,7 +63,13 @@ def test_packed_linear_matches_f_linear_bit_for_bit_in_bf16():
             assert torch.equal(layer(x), F.linear(x, w, bias))
         x3 = torch.randn(2, 5, 64, generator=g).to(torch.bfloat16)  # other ranks: flattened to rows
         assert torch.equal(layer(x3), F.linear(x3, w, bias))
-    assert Linear(w.float()).packed is None  # float32 keeps F.linear (oneDNN sums in another order)
+    # float32 is packed too; oneDNN sums in another order, so it matches F.linear to rounding only.
+    wf, bf = w.float(), b.float()
+    layer = Linear(wf, bf)
+    assert packing_available(torch.float32) and layer.packed is not None
+    for rows in (1, 7, 300):
+        x = torch.randn(rows, 64, generator=g)
+        assert torch.allclose(layer(x), F.linear(x, wf, bf), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu

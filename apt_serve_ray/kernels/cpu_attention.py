@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 logger = logging.getLogger("apt_serve_ray")
 
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_attention.cpp"
+_SOURCES = [Path(__file__).parent / "csrc" / "cpu_attention.cpp"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-std=c++17"]
 
 
@@ -56,7 +56,8 @@ def _cpu_flags() -> str:
 
 def _build_dir() -> tuple[str, Path]:
     key = hashlib.sha256()
-    key.update(_SOURCE.read_bytes())
+    for source in _SOURCES:
+        key.update(source.read_bytes())
     key.update(" ".join(_FLAGS).encode())
     key.update(torch.__version__.encode())
     key.update(_cpu_flags().encode())
@@ -85,7 +86,8 @@ def load():
     name, directory = _build_dir()
     directory.mkdir(parents=True, exist_ok=True)
     try:
-        return cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+        return cpp_extension.load(name=name, sources=[str(s) for s in _SOURCES], extra_cflags=_FLAGS,
+                                  extra_ldflags=["-fopenmp"],
                                   build_directory=str(directory), verbose=False)
     except Exception as exc:  # compiler errors arrive as RuntimeError / CalledProcessError / OSError
         raise RuntimeError(f"cannot build the CPU attention kernels in {directory}: {exc}") from exc
