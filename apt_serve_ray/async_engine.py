@@ -37,6 +37,7 @@ class AsyncLLMEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.loop_thread_id: int | None = None  # native id, once the loop runs
         self._error: BaseException | None = None
         self._load: dict = self.engine.cache_stats()
         self._step_times: deque[float] = deque(maxlen=32)
@@ -130,6 +131,12 @@ class AsyncLLMEngine:
 
     # The loop thread ------------------------------------------------------------------------------
     def _run(self) -> None:
+        self.loop_thread_id = threading.get_native_id()
+        if self.config.cpu_affinity:
+            from apt_serve_ray.cpu_affinity import pin_current_thread
+
+            if pin_current_thread(self.config.cpu_affinity):
+                logger.info("engine loop thread pinned to CPUs %s", list(self.config.cpu_affinity))
         try:
             while not self._stop.is_set():
                 self._drain_inbox()

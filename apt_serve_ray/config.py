@@ -30,6 +30,8 @@ class EngineConfig:
     # through the backend's fused kernel (K/V never written); False = gather x, project, attend.
     attention_backend: str = "auto"
     cache_proj_optimize: bool = True
+    # CPUs the async engine's loop thread (and the OpenMP workers it starts) runs on; None: any.
+    cpu_affinity: tuple[int, ...] | None = None
     # Cache.
     block_size: int = 16
     cache_budget_bytes: int | None = None
@@ -64,6 +66,12 @@ class EngineConfig:
             raise ValueError(f"dtype: must be one of {_DTYPES}, got {self.dtype!r}")
         if self.device not in _DEVICES:
             raise ValueError(f"device: must be one of {_DEVICES}, got {self.device!r}")
+        if self.cpu_affinity is not None:
+            cpus = self.cpu_affinity
+            if (not isinstance(cpus, (tuple, list)) or not cpus
+                    or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in cpus)):
+                raise ValueError(f"cpu_affinity: must be a non-empty list of CPU numbers >= 0, got {cpus!r}")
+            object.__setattr__(self, "cpu_affinity", tuple(cpus))
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend: must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         _positive_int("block_size", self.block_size)

@@ -52,6 +52,9 @@ class AppArgs(BaseModel):
     num_cpus_per_replica: NonNegativeFloat = 1.0
     num_gpus_per_replica: NonNegativeFloat = 0.0
     num_cpus_per_router: NonNegativeFloat = 0.0
+    # With num_threads set: each engine replica's compute thread(s) get CPUs of their own on its node,
+    # and the Serve processes and threads of the app are kept off them (apt_serve_ray/cpu_affinity.py).
+    pin_cpus: bool = True
     # Engine (None: EngineConfig's default). Any other EngineConfig field goes in engine_options.
     device: Optional[str] = None
     dtype: Optional[str] = None
@@ -116,11 +119,13 @@ def build_app(args: AppArgs | dict) -> Application:
     config = args.engine_config()
     if args.policy_weights:
         make_policy(config.policy, config, **args.policy_weights)  # fail here, not in every replica
+    pin = args.pin_cpus and config.num_threads is not None
+    engine_cpus = {"num_engine_replicas": args.num_replicas, "num_threads": config.num_threads} if pin else None
     controller = Controller.options(ray_actor_options={"num_cpus": 0}).bind(
         light_watermark=args.light_watermark, heavy_watermark=args.heavy_watermark,
         max_hidden_ratio=args.max_hidden_ratio, hidden_ratio_step=args.hidden_ratio_step,
         base_cache_ratio=config.cache_ratio, interval_s=args.control_interval_s, retry_after_s=args.retry_after_s,
-        model=args.served_model_name or args.model, mirror_metrics=args.mirror_metrics)
+        model=args.served_model_name or args.model, mirror_metrics=args.mirror_metrics, engine_cpus=engine_cpus)
     engine = EngineReplica.options(
         num_replicas=args.num_replicas,
         ray_actor_options={"num_cpus": args.num_cpus_per_replica, "num_gpus": args.num_gpus_per_replica},
@@ -135,7 +140,7 @@ def build_app(args: AppArgs | dict) -> Application:
     ).bind(config, controller, args.policy_weights, args.control_interval_s, {
         "model_name": args.served_model_name or args.model, "tracing_exporter": args.tracing_exporter,
         "mirror_metrics": args.mirror_metrics, "light_watermark": args.light_watermark,
-        "heavy_watermark": args.heavy_watermark})
+        "heavy_watermark": args.heavy_watermark}, pin)
     max_in_flight = (args.max_in_flight_per_replica or config.max_num_seqs) * args.num_replicas
     router_options = {
         "model": args.model, "served_model_name": args.served_model_name, "tokenizer": args.tokenizer,
@@ -144,6 +149,7 @@ def build_app(args: AppArgs | dict) -> Application:
         "admission_weights": dataclasses.asdict(ScoreWeights(**args.admission_weights.model_dump())),
         "poll_interval_s": min(0.25, args.control_interval_s),
         "tracing_exporter": args.tracing_exporter, "mirror_metrics": args.mirror_metrics,
+        "engine_cpus": engine_cpus,
     }
     return Router.options(num_replicas=args.num_routers, ray_actor_options={"num_cpus": args.num_cpus_per_router}
                           ).bind(engine, controller, router_options)

@@ -18,6 +18,7 @@ from collections import deque
 from ray import serve
 
 from apt_serve_ray.scheduler.watermarks import Watermarks
+from deployments.affinity import keep_off_engine_cpus
 from deployments.metrics import ControllerMetrics, make_backend, snapshot
 
 logger = logging.getLogger("ray.serve")
@@ -29,7 +30,8 @@ class Controller:
     async def __init__(self, light_watermark: float = 0.7, heavy_watermark: float = 0.9,
                        max_hidden_ratio: float = 0.7, hidden_ratio_step: float = 0.1, base_cache_ratio: float = 0.0,
                        interval_s: float = 0.5, retry_after_s: float = 2.0, model: str = "",
-                       mirror_metrics: bool = False) -> None:
+                       mirror_metrics: bool = False, engine_cpus: dict | None = None) -> None:
+        keep_off_engine_cpus(engine_cpus)
         self.watermarks = Watermarks(light_watermark, heavy_watermark, max_hidden_ratio, hidden_ratio_step,
                                      base=base_cache_ratio)
         self.interval_s, self.retry_after_s = interval_s, retry_after_s

@@ -33,7 +33,7 @@ import time
 import ray
 from ray import serve
 
-from apt_serve_ray import AsyncLLMEngine, EngineConfig, SamplingParams
+from apt_serve_ray import AsyncLLMEngine, EngineConfig, SamplingParams, cpu_affinity
 from apt_serve_ray.observability import CacheTracker
 from apt_serve_ray.observability.metrics import EngineMetrics
 from apt_serve_ray.observability.tracing import RequestTracer, configure_tracing, finished_spans
@@ -52,8 +52,11 @@ def replica_seed(base: int, replica_id: str) -> int:
 @serve.deployment(max_ongoing_requests=256, health_check_period_s=5.0)
 class EngineReplica:
     async def __init__(self, engine_config: EngineConfig, controller=None, policy_options: dict | None = None,
-                       report_interval_s: float = 0.5, observability: dict | None = None) -> None:
-        """``observability``: ``{"model_name", "tracing_exporter", "mirror_metrics"}`` (all optional)."""
+                       report_interval_s: float = 0.5, observability: dict | None = None,
+                       pin_cpus: bool = False) -> None:
+        """``observability``: ``{"model_name", "tracing_exporter", "mirror_metrics"}`` (all optional).
+        ``pin_cpus``: give the engine's compute thread CPUs of its own (``apt_serve_ray.cpu_affinity``)
+        and keep this process's other threads off them; needs ``num_threads``."""
         if policy_options:
             engine_config = engine_config.replace(policy_options={**(engine_config.policy_options or {}),
                                                                    **policy_options})
@@ -62,6 +65,12 @@ class EngineReplica:
         # Unseeded sampling draws from the engine's generator: one seed per replica, or every replica
         # would draw the same numbers. Requests with their own ``seed`` are reproducible on any replica.
         engine_config = engine_config.replace(seed=replica_seed(engine_config.seed, self.replica_id))
+        compute_cpus = None
+        if pin_cpus and engine_config.num_threads and engine_config.cpu_affinity is None:
+            rank = getattr(context, "rank", None)
+            compute_cpus = cpu_affinity.engine_cpus(getattr(rank, "local_rank", 0) or 0, engine_config.num_threads)
+            if compute_cpus is not None:
+                engine_config = engine_config.replace(cpu_affinity=tuple(compute_cpus))
         self.engine = AsyncLLMEngine(engine_config)
         self.actor_name = ray.get_runtime_context().get_actor_name()
         self.model = engine_config.model
@@ -76,6 +85,14 @@ class EngineReplica:
         # The controller's watermarks are the ones that act (the engine's own are off).
         self.tracker.light = obs.get("light_watermark", self.tracker.light)
         self.tracker.heavy = obs.get("heavy_watermark", self.tracker.heavy)
+        if engine_config.cpu_affinity:
+            # Ray's threads here (and those it starts later, which inherit) go to the other CPUs; the
+            # engine's loop thread, started next, pins itself to its own.
+            rest = [c for c in cpu_affinity.available_cpus() if c not in engine_config.cpu_affinity]
+            if rest:
+                cpu_affinity.pin_process_threads(rest)
+                logger.info("engine replica %s: compute on CPUs %s, other threads on %s", self.replica_id,
+                            list(engine_config.cpu_affinity), rest)
         self.engine.start()
         self.num_requests = 0
         self.num_aborted = 0  # callers that went away (disconnect, cancel) before the end

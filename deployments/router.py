@@ -41,6 +41,7 @@ from apt_serve_ray.llm import apply_chat_template
 from apt_serve_ray.model_loader import load_tokenizer, resolve_model
 from apt_serve_ray.observability.tracing import configure_tracing, finished_spans
 from deployments import openai_protocol as oai
+from deployments.affinity import keep_off_engine_cpus
 from deployments.admission import AdmissionQueue, QueueFull, ScoreWeights, Ticket
 from deployments.metrics import RouterMetrics, make_backend, snapshot
 from deployments.request_router import request_pages
@@ -82,6 +83,7 @@ async def _next(items) -> dict:
 @serve.ingress(api)
 class Router:
     async def __init__(self, engine, controller, options: dict) -> None:
+        keep_off_engine_cpus(options.get("engine_cpus"))
         self.engine, self.controller = engine, controller
         self.model = options["model"]
         self.served_model_name = options.get("served_model_name") or self.model

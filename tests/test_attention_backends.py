@@ -188,3 +188,38 @@ def test_bad_backend_arguments_name_the_field(opt_tiny):
         LLM(opt_tiny, num_pages=16, attention_backend="flash")
     with pytest.raises(ValueError, match="cache_proj_optimize"):
         LLM(opt_tiny, num_pages=16, cache_proj_optimize="yes")
+
+
+def test_cpu_affinity_splits_engine_and_serving_cpus():
+    from apt_serve_ray.config import EngineConfig
+    from apt_serve_ray.cpu_affinity import engine_cpus, other_cpus
+
+    cpus = [0, 1, 2, 3]
+    assert engine_cpus(0, 1, cpus) == [0] and engine_cpus(1, 1, cpus) == [1] and engine_cpus(1, 2, cpus) is None
+    assert engine_cpus(0, 2, [0, 1]) is None  # would leave nothing for the rest: no pinning
+    assert other_cpus(2, 1, cpus) == [2, 3] and other_cpus(1, 4, cpus) is None
+    assert EngineConfig(cpu_affinity=[1]).cpu_affinity == (1,)
+    with pytest.raises(ValueError, match="cpu_affinity"):
+        EngineConfig(cpu_affinity=[-1])
+
+
+def test_async_engine_loop_thread_runs_on_its_cpus(opt_tiny):
+    import asyncio
+    import os
+
+    from apt_serve_ray import AsyncLLMEngine, EngineConfig
+
+    if not hasattr(os, "sched_getaffinity"):
+        pytest.skip("no CPU affinity on this platform")
+    cpu = sorted(os.sched_getaffinity(0))[-1]
+    engine = AsyncLLMEngine(EngineConfig(model=opt_tiny, dtype="float32", num_pages=32, cpu_affinity=(cpu,)))
+    engine.start()
+    try:
+        async def run():
+            return [o async for o in engine.generate([5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))]
+
+        assert asyncio.run(run())[-1].finished
+        assert os.sched_getaffinity(engine.loop_thread_id) == {cpu}
+        assert os.sched_getaffinity(0) != {cpu} or len(os.sched_getaffinity(0)) == 1  # the caller is untouched
+    finally:
+        engine.shutdown()

@@ -1,0 +1,70 @@
+"""Which CPUs the engine's compute thread owns, and keeping everything else off them.
+
+On a small CPU box every process of a Ray Serve app (proxy, router, controller, the replica's own
+transport threads) competes with the engine's compute thread for the same cores, and each
+interruption stretches a step. Measured on this project's 2-core machine (OPT-125m bf16, one
+compute thread, through Ray Serve): pinning the engine thread to one core and everything else to
+the other took the single-stream TPOT from 14.5 to 13.2 ms and saturated output from 180 to 193 tok/s.
+
+Linux only (``os.sched_setaffinity``); elsewhere these are no-ops that say so.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger("apt_serve_ray")
+
+
+def available_cpus() -> list[int]:
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def engine_cpus(local_rank: int, num_threads: int, cpus: list[int] | None = None) -> list[int] | None:
+    """The CPUs for engine replica ``local_rank`` (on its node) running ``num_threads`` compute
+    threads: consecutive blocks from the first CPU, or None when that would leave no CPU for the
+    rest of the node (then nothing is pinned)."""
+    cpus = available_cpus() if cpus is None else cpus
+    start = local_rank * num_threads
+    if num_threads < 1 or start + num_threads >= len(cpus):
+        return None
+    return cpus[start : start + num_threads]
+
+
+def pin_current_thread(cpus) -> bool:
+    """Pin the calling thread (and the OpenMP workers it creates later) to ``cpus``."""
+    if not hasattr(os, "sched_setaffinity"):
+        logger.info("CPU affinity not supported on this platform: not pinning")
+        return False
+    os.sched_setaffinity(0, set(cpus))  # Linux: pid 0 is the calling thread
+    return True
+
+
+def pin_process_threads(cpus, keep=()) -> int:
+    """Pin every thread of this process but those in ``keep`` (native ids) to ``cpus``; threads
+    created later inherit their creator's CPUs. Returns how many threads were moved."""
+    if not hasattr(os, "sched_setaffinity") or not os.path.isdir("/proc/self/task"):
+        return 0
+    moved = 0
+    for name in os.listdir("/proc/self/task"):
+        tid = int(name)
+        if tid in keep:
+            continue
+        try:
+            os.sched_setaffinity(tid, set(cpus))
+            moved += 1
+        except OSError:  # the thread ended meanwhile
+            pass
+    return moved
+
+
+def other_cpus(num_engine_replicas: int, num_threads: int, cpus: list[int] | None = None) -> list[int] | None:
+    """The CPUs left to everything but the engines when ``num_engine_replicas`` engine replicas of
+    ``num_threads`` compute threads each share this node (None: no engine is pinned here)."""
+    cpus = available_cpus() if cpus is None else cpus
+    taken = {c for r in range(num_engine_replicas) for c in (engine_cpus(r, num_threads, cpus) or ())}
+    rest = [c for c in cpus if c not in taken]
+    return rest if taken and rest else None
