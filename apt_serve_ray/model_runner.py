@@ -143,6 +143,8 @@ class ModelRunner:
                 decodes[r.kind].append((row, end, page_ids[: (end + tpp - 1) // tpp]))
             else:
                 c = PrefillChunk(row, n, start, r.kind is CacheKind.HIDDEN)
+                if r.kind is CacheKind.KV:
+                    c.block_table = self._to(torch.tensor(page_ids[: (end + tpp - 1) // tpp], dtype=torch.int32))
                 if start > 0:
                     ctx = torch.arange(end)
                     c.pages, c.offsets = self._to(torch.tensor(page_ids)[ctx // tpp]), self._to(ctx % tpp)

@@ -83,6 +83,34 @@ def test_fused_hidden_decode_matches_reference(dtype, rope, heads, kv_heads, dim
         assert (out.float() - ref).abs().max() < 2 * _tolerance(dtype), part
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,start", [(1, 0), (5, 0), (37, 0), (64, 0), (33, 100), (3, 47), (70, 31)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 64), (8, 2, 32), (2, 1, 128)])
+def test_prefill_attention_matches_reference(dtype, n, start, heads, kv_heads, dim, threads):
+    if not ca.prefill_supported(dim, dtype):
+        pytest.skip("no AVX-512 prefill kernel in this build (the engine uses SDPA)")
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(n * 7 + start)
+    block_size, num_pages = 16, 40
+    kv = torch.randn(num_pages, block_size, 2, kv_heads, dim, generator=g).to(dtype)
+    ctx = start + n
+    table = torch.randperm(num_pages, generator=g)[: -(-ctx // block_size)].to(torch.int32)
+    q = torch.randn(n, heads, dim, generator=g).to(dtype)
+    pos = torch.arange(ctx)
+    keys = kv[table.long()[pos // block_size], pos % block_size].float()  # [ctx, 2, KVH, D]
+    mask = pos[None, :] <= torch.arange(start, ctx)[:, None]
+    t = lambda x: x.transpose(0, 1)[None]  # noqa: E731
+    ref = F.scaled_dot_product_attention(t(q.float()), t(keys[:, 0]), t(keys[:, 1]), attn_mask=mask,
+                                         scale=dim**-0.5, enable_gqa=heads != kv_heads)[0].transpose(0, 1)
+    out = ca.prefill_attention(q, kv[:, :, 0], kv[:, :, 1], table, start, dim**-0.5)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert (out.float() - ref).abs().max() < _tolerance(dtype)
+    contiguous = ca.prefill_attention(q, keys[:, 0, None].to(dtype), keys[:, 1, None].to(dtype),
+                                      torch.arange(ctx, dtype=torch.int32), start, dim**-0.5)
+    assert torch.equal(contiguous, out)  # the same keys read from pages or from one tensor
+
+
 def test_kernels_reject_bad_layouts_with_clear_errors():
     q = torch.randn(2, 4, 16)
     kv = torch.randn(10, 16, 2, 4, 16)

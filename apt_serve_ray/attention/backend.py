@@ -7,8 +7,7 @@ Per layer, for the flat batch of this step's tokens (``forward``):
    here: KV rows gather K/V from their pages into a padded batch; hidden rows gather their stored x
    and project K/V for the whole context in one matrix product (RoPE at the original positions);
 3. prefill chunks, one SDPA each: a chunk starting at position 0 attends over its fresh K/V, a
-   later chunk gathers its context from the cache (of its own kind). Every backend shares this: a
-   chunk's attention is compute-bound (n queries x context), and the gather is a few percent of it.
+   later chunk gathers its context from the cache (of its own kind); the CPU backend has its own.
 
 Every request reads only its own pages in its own kind, so mixed batches are exact for both kinds.
 """

@@ -1,12 +1,16 @@
-"""CPU backend: decode rows read their pages in place through the C++ kernels
-(``kernels/cpu_attention.py``); prefill chunks share the PyTorch path (see ``backend.py``)."""
+"""CPU backend: C++ kernels (``kernels/cpu_attention.py``) for decode rows, which read their pages
+in place, and for prefill chunks (AVX-512 builds): KV chunks attend over their pages in place,
+hidden chunks over the K/V projected from their stored x. Elsewhere prefill takes the PyTorch path.
+
+Measured (OPT-125m shape, one thread, causal 384-token chunk per layer): bf16 2.7 ms vs SDPA 5.6 ms;
+512 queries over 1,024 keys 13.6 vs 21.1 ms; float32 1.0-1.4x SDPA's speed."""
 
 from __future__ import annotations
 
 import torch
 
 from apt_serve_ray.attention.backend import AttentionBackend
-from apt_serve_ray.attention.metadata import DecodeGroup, KVProjection
+from apt_serve_ray.attention.metadata import DecodeGroup, KVProjection, PrefillChunk
 from apt_serve_ray.cache.storage import CacheStorage
 from apt_serve_ray.kernels import cpu_attention
 
@@ -23,6 +27,21 @@ class CpuBackend(AttentionBackend):
         how = "fused (no RoPE: W_k absorbed into q; RoPE: K/V projected per page)" if self.fused_hidden else \
             "unfused: gather x, project K/V"
         return f"cpu (C++ paged attention; hidden decode {how})"
+
+    def prefill(self, layer: int, q, k, v, c: PrefillChunk, storage: CacheStorage, proj: KVProjection,
+                scale: float) -> torch.Tensor:
+        if not cpu_attention.prefill_supported(q.shape[-1], q.dtype):
+            return super().prefill(layer, q, k, v, c, storage, proj, scale)
+        if not c.is_hidden:
+            kv = storage.kv[layer]
+            return cpu_attention.prefill_attention(q, kv[:, :, 0], kv[:, :, 1], c.block_table, c.start_pos, scale)
+        ctx = c.start_pos + c.num_tokens
+        if c.start_pos == 0:
+            keys, values = k, v
+        else:
+            keys, values = proj(storage.hidden[layer][c.pages, c.offsets], torch.arange(ctx, device=q.device))
+        table = torch.arange(ctx, dtype=torch.int32, device=q.device)  # one token per "page"
+        return cpu_attention.prefill_attention(q, keys[:, None], values[:, None], table, c.start_pos, scale)
 
     def decode_kv(self, layer: int, q, g: DecodeGroup, storage: CacheStorage, scale: float) -> torch.Tensor:
         return cpu_attention.kv_decode(q, storage.kv[layer], g.block_table, g.ctx_lens, scale)

@@ -76,6 +76,7 @@ class PrefillChunk:
     is_hidden: bool
     pages: torch.Tensor | None = None  # [ctx] page of each context slot, only when start_pos > 0
     offsets: torch.Tensor | None = None
+    block_table: torch.Tensor | None = None  # [pages] int32: the request's pages (KV chunks)
 
 
 @dataclass

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 logger = logging.getLogger("apt_serve_ray")
 
-_SOURCES = [Path(__file__).parent / "csrc" / "cpu_attention.cpp"]
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_attention.cpp", "cpu_prefill.cpp")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-std=c++17"]
 
 
@@ -149,6 +149,21 @@ def hidden_decode_projected(q, hidden, block_table, ctx_lens, w_kv_t, b_kv, cos,
     load()
     return torch.ops.apt_serve.hidden_projected(q, hidden, block_table, ctx_lens, w_kv_t, b_kv, cos, sin,
                                                 int(num_kv_heads), float(scale), int(part_tokens))
+
+
+def prefill_supported(head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether ``prefill_attention`` takes this head size and dtype (AVX-512 builds only)."""
+    load()
+    return dtype in (torch.float32, torch.bfloat16) and torch.ops.apt_serve.prefill_supported(int(head_dim))
+
+
+def prefill_attention(q, k_pages, v_pages, block_table, start_pos: int, scale: float) -> torch.Tensor:
+    """Causal attention of a prefill chunk (query i at position ``start_pos + i``) over the keys
+    ``0 .. start_pos + i`` in the request's pages. ``k_pages``/``v_pages``: ``[P, BS, KVH, D]`` views
+    (``kv[:, :, 0]`` / ``kv[:, :, 1]`` of a layer's KV view, or ``k[:, None]`` for contiguous K)."""
+    load()
+    return torch.ops.apt_serve.prefill_attention(q.contiguous(), k_pages, v_pages, block_table, int(start_pos),
+                                                 float(scale))
 
 
 # References --------------------------------------------------------------------------------------
