@@ -202,7 +202,7 @@ _COMPONENTS = {  # (file suffix, function name) -> label; inclusive (cumulative)
     ("model_runner.py", "execute"): "runner.execute",
     ("model_runner.py", "_prepare"): "  runner._prepare",
     ("opt.py", "forward"): "  model.forward",
-    ("paged_attention.py", "paged_attention"): "    paged_attention (per layer)",
+    ("backend.py", "forward"): "    attention backend (per layer)",
     ("opt.py", "compute_logits"): "  model.compute_logits",
     ("sampler.py", "sample"): "  sampler.sample",
     ("engine.py", "_on_token"): "engine._on_token",
@@ -253,8 +253,9 @@ def torch_profile_decode(llm, prompts, num_steps: int) -> list[tuple[str, float,
 
 
 _OP_GROUPS = (  # first match wins
-    ("matmul (linear layers, lm-head)", ("addmm", "aten::mm", "aten::linear")),
-    ("attention kernels (sdpa / bmm / softmax)", ("scaled_dot_product", "bmm", "softmax", "matmul", "baddbmm")),
+    ("matmul (linear layers, lm-head)", ("addmm", "aten::mm", "aten::linear", "mkldnn::_linear_pointwise")),
+    ("attention kernels (C++ / sdpa / bmm / softmax)", ("apt_serve::", "scaled_dot_product", "bmm", "softmax",
+                                                        "matmul", "baddbmm")),
     ("paged gather (index / index_select)", ("aten::index", "index_select", "gather")),
     ("cache write (index_put)", ("index_put",)),
     ("copies / layout (copy_, contiguous, cat)",

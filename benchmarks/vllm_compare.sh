@@ -18,7 +18,7 @@ export HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0
 PY=.venv/bin/python
 CKPT=$HOME/.cache/apt-serve-ray/opt-125m-bf16  # the random-weight checkpoint serving_policies.py writes
 $PY -c "import sys; from apt_serve_ray.checkpoints import make_random_checkpoint as m; m(sys.argv[1], 'opt-125m', dtype='bfloat16')" "$CKPT"
-OUT=docs/benchmarks/peer
+OUT=docs/benchmarks/compare
 mkdir -p "$OUT"
 short=${dtype/bfloat16/bf16}; short=${short/float32/fp32}
 

@@ -1,6 +1,7 @@
 """CPU decode attention that reads cache pages where they sit (C++/OpenMP), with PyTorch references.
 
-The extension (``csrc/cpu_attention.cpp``) is compiled on first use with ``torch.utils.cpp_extension``
+The extension (``csrc/``: decode in ``cpu_attention.cpp`` and ``cpu_hidden.cpp`` on the skeleton of
+``flash_decode.h``, prefill in ``cpu_prefill.cpp``, SIMD in ``simd.h``) is compiled on first use with ``torch.utils.cpp_extension``
 (g++ and ninja; ``scripts/setup.sh`` builds it ahead of time) for this CPU (``-march=native``): the
 build directory is keyed by the source, the torch version and the CPU's feature flags, so a machine
 with another CPU builds its own copy. ``load()`` raises ``RuntimeError`` saying what is missing when
@@ -38,7 +39,8 @@ import torch.nn.functional as F
 
 logger = logging.getLogger("apt_serve_ray")
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_attention.cpp", "cpu_prefill.cpp")]
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / name for name in ("cpu_attention.cpp", "cpu_hidden.cpp", "cpu_prefill.cpp")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-std=c++17"]
 
 
@@ -56,7 +58,8 @@ def _cpu_flags() -> str:
 
 def _build_dir() -> tuple[str, Path]:
     key = hashlib.sha256()
-    for source in _SOURCES:
+    for source in sorted(_CSRC.iterdir()):  # sources and headers
+        key.update(source.name.encode())
         key.update(source.read_bytes())
     key.update(" ".join(_FLAGS).encode())
     key.update(torch.__version__.encode())

@@ -25,33 +25,16 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
+#include "simd.h"
 
+#if defined(__AVX512F__)
 namespace {
 
 using bf16 = at::BFloat16;
 constexpr int kRows = 4;    // query rows per work item
 constexpr int kTile = 32;   // keys per softmax update (two blocks of 16)
 
-inline __m512 exp512(__m512 x) {  // x <= 0; as cpu_attention.cpp's vexp_nonpositive
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 i = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, i), _mm512_set1_ps(0.693147180559945f));
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(i), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
-
-inline float to_float(float v) { return v; }
-inline float to_float(bf16 v) { return static_cast<float>(v); }
+using apt_simd::to_float;
 
 template <typename T>
 constexpr bool kDot = std::is_same_v<T, bf16>
@@ -171,8 +154,8 @@ void rows_attention(const T* q, int64_t q_stride, int rows, int64_t first_pos, c
       const float alpha = std::exp(m[r] - mx);  // 0 on the first tile
       const __m512 vm = _mm512_set1_ps(mx);
       // Masked lanes would give exp(-87) ~ 1e-38 after the clamp: zero them so they add nothing.
-      const __m512 q0 = _mm512_maskz_mov_ps(keep[0], exp512(_mm512_sub_ps(s[r][0], vm)));
-      const __m512 q1 = _mm512_maskz_mov_ps(keep[1], exp512(_mm512_sub_ps(s[r][1], vm)));
+      const __m512 q0 = _mm512_maskz_mov_ps(keep[0], apt_simd::vexp_nonpositive(_mm512_sub_ps(s[r][0], vm)));
+      const __m512 q1 = _mm512_maskz_mov_ps(keep[1], apt_simd::vexp_nonpositive(_mm512_sub_ps(s[r][1], vm)));
       l[r] = l[r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(q0, q1));
       m[r] = mx;
       const __m512 va = _mm512_set1_ps(alpha);
