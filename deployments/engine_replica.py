@@ -43,6 +43,17 @@ from deployments.streaming import coalesced, merge_items
 logger = logging.getLogger("ray.serve")
 
 
+def _route_engine_logs() -> None:
+    """The engine library logs to "apt_serve_ray" (what it chose at start-up: dtype, attention backend,
+    hybrid cache on/off); in a replica those lines go where Serve writes this replica's log."""
+    engine_logger = logging.getLogger("apt_serve_ray")
+    if not engine_logger.handlers:
+        engine_logger.setLevel(logging.INFO)
+        for handler in logger.handlers:
+            engine_logger.addHandler(handler)
+        engine_logger.propagate = not logger.handlers
+
+
 def replica_seed(base: int, replica_id: str) -> int:
     """The engine seed of one replica: the configured seed mixed with the replica's id."""
     digest = hashlib.blake2b(f"{base}:{replica_id}".encode(), digest_size=4).digest()
@@ -60,6 +71,7 @@ class EngineReplica:
         if policy_options:
             engine_config = engine_config.replace(policy_options={**(engine_config.policy_options or {}),
                                                                    **policy_options})
+        _route_engine_logs()
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         # Unseeded sampling draws from the engine's generator: one seed per replica, or every replica
