@@ -32,6 +32,8 @@ class EngineConfig:
     cache_proj_optimize: bool = True
     # CPUs the async engine's loop thread (and the OpenMP workers it starts) runs on; None: any.
     cpu_affinity: tuple[int, ...] | None = None
+    # AsyncLLMEngine: run the step loop in a process of its own (off the server's GIL).
+    engine_process: bool = False
     # Cache.
     block_size: int = 16
     cache_budget_bytes: int | None = None
@@ -94,7 +96,7 @@ class EngineConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name}: must be a positive number, got {value!r}")
         for name in ("enable_hybrid_cache", "force_hidden", "enable_chunked_prefill", "enable_watermarks",
-                     "calibrate_rho", "cache_proj_optimize"):
+                     "calibrate_rho", "cache_proj_optimize", "engine_process"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")
         if self.force_hidden and not self.enable_hybrid_cache:

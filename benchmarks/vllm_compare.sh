@@ -3,6 +3,7 @@
 # token budget, max_num_seqs, dtype and compute threads; the client is benchmarks/peer_sweep.py.
 #
 #   PEER=/path/to/vllm-peer bash benchmarks/vllm_compare.sh [probe|sweep|all] [dtype] [threads]
+#   SERVERS=ours (or vllm) runs one side only and keeps the other's results in the JSON.
 #
 # PEER holds vLLM's venv and its vllm-cli wrapper (../shared/tools/vllm-peer/README.md says how to
 # make it). probe: single-stream TTFT/TPOT and saturated tok/s (~3 min per server); sweep: SLO
@@ -55,6 +56,8 @@ client() {  # port label extra-args...
 # vLLM: 189 blocks of 32 = 6,048 KV tokens; its compute threads bound to the first cores.
 binds=0; [ "$threads" = 2 ] && binds=0-1
 set -m
+servers=${SERVERS:-both}
+if [ "$servers" != ours ]; then
 HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=$binds \
     "$PEER/venv/bin/python" "$PEER/vllm-cli" serve "$CKPT" --served-model-name opt-125m --max-model-len 1024 \
     --dtype "$dtype" --no-enable-prefix-caching --block-size 32 --num-gpu-blocks-override 189 \
@@ -62,6 +65,8 @@ HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=$binds \
 pid=$!
 wait_up 8100 && client 8100 "vllm-$short-${threads}t" || true
 stop $pid
+fi
+[ "$servers" = vllm ] && exit 0
 
 # Ours: 378 pages of 16 = 6,048 KV tokens; watermarks at 1.0 (vLLM has no admission control, and a
 # 503 would count as a miss); the SLOs told to the server, as apt schedules by them.

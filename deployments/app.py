@@ -26,7 +26,7 @@ from deployments.router import Router
 # AppArgs fields that go to EngineConfig as they are (None: the engine's default).
 _ENGINE_FIELDS = ("device", "dtype", "num_threads", "max_model_len", "block_size", "num_pages", "cache_budget_bytes",
                   "cache_ratio", "max_num_seqs", "max_num_batched_tokens", "policy", "default_ttft_slo_ms",
-                  "default_tbt_slo_ms", "seed")
+                  "default_tbt_slo_ms", "seed", "engine_process")
 
 
 class AdmissionWeights(BaseModel):
@@ -71,6 +71,9 @@ class AppArgs(BaseModel):
     default_ttft_slo_ms: Optional[PositiveFloat] = None
     default_tbt_slo_ms: Optional[PositiveFloat] = None
     seed: Optional[int] = None
+    # The engine's step loop in a process of its own, off the replica's GIL (apt_serve_ray/engine_process.py);
+    # measured through Serve on 2 CPU cores: saturated output 188 -> 222 tok/s, TPOT 12.8 -> 11.3 ms.
+    engine_process: bool = True
     engine_options: dict[str, Any] = Field(default_factory=dict)
     # Controller: the cluster-wide watermarks.
     light_watermark: float = Field(0.7, ge=0, le=1)

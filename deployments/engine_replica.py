@@ -34,9 +34,9 @@ import ray
 from ray import serve
 
 from apt_serve_ray import AsyncLLMEngine, EngineConfig, SamplingParams, cpu_affinity
-from apt_serve_ray.observability import CacheTracker
-from apt_serve_ray.observability.metrics import EngineMetrics
-from apt_serve_ray.observability.tracing import RequestTracer, configure_tracing, finished_spans
+from apt_serve_ray.engine_process import EngineObservers
+from apt_serve_ray.observability.tracing import finished_spans
+from apt_serve_ray.observability.tracker import plot_memory_timeline
 from deployments.metrics import make_backend, snapshot
 from deployments.streaming import coalesced, merge_items
 
@@ -65,7 +65,9 @@ class EngineReplica:
     async def __init__(self, engine_config: EngineConfig, controller=None, policy_options: dict | None = None,
                        report_interval_s: float = 0.5, observability: dict | None = None,
                        pin_cpus: bool = False) -> None:
-        """``observability``: ``{"model_name", "tracing_exporter", "mirror_metrics"}`` (all optional).
+        """``observability``: ``{"model_name", "tracing_exporter", "mirror_metrics"}`` (all optional;
+        with ``engine_config.engine_process`` the engine, its spans and its timeline live in a process of
+        its own, and its metrics are replayed here).
         ``pin_cpus``: give the engine's compute thread CPUs of its own (``apt_serve_ray.cpu_affinity``)
         and keep this process's other threads off them; needs ``num_threads``."""
         if policy_options:
@@ -83,20 +85,18 @@ class EngineReplica:
             compute_cpus = cpu_affinity.engine_cpus(getattr(rank, "local_rank", 0) or 0, engine_config.num_threads)
             if compute_cpus is not None:
                 engine_config = engine_config.replace(cpu_affinity=tuple(compute_cpus))
-        self.engine = AsyncLLMEngine(engine_config)
-        self.actor_name = ray.get_runtime_context().get_actor_name()
-        self.model = engine_config.model
         obs = observability or {}
         self._metrics = make_backend({}, obs.get("mirror_metrics", False))
-        self.engine.engine.add_observer(EngineMetrics(self._metrics, obs.get("model_name") or self.model,
-                                                      self.replica_id))
-        provider = configure_tracing(obs.get("tracing_exporter", "none"), service_name="apt-serve-engine")
-        if provider is not None:
-            self.engine.engine.add_observer(RequestTracer(provider))
-        self.tracker = CacheTracker(self.engine.engine, min_interval_s=0.1, max_samples=36_000)
+        observers = EngineObservers(
+            metric_tags={"model": obs.get("model_name") or engine_config.model, "replica": self.replica_id},
+            tracing_exporter=obs.get("tracing_exporter", "none"), tracker=True, tracker_min_interval_s=0.1,
+            tracker_max_samples=36_000)
+        self.engine = AsyncLLMEngine(engine_config, observers=observers, metrics_backend=self._metrics)
+        self.actor_name = ray.get_runtime_context().get_actor_name()
+        self.model = engine_config.model
         # The controller's watermarks are the ones that act (the engine's own are off).
-        self.tracker.light = obs.get("light_watermark", self.tracker.light)
-        self.tracker.heavy = obs.get("heavy_watermark", self.tracker.heavy)
+        self._watermarks = {"light_watermark": obs.get("light_watermark", engine_config.light_watermark),
+                            "heavy_watermark": obs.get("heavy_watermark", engine_config.heavy_watermark)}
         if engine_config.cpu_affinity:
             # Ray's threads here (and those it starts later, which inherit) go to the other CPUs; the
             # engine's loop thread, started next, pins itself to its own.
@@ -202,12 +202,12 @@ class EngineReplica:
     def memory_timeline(self, format: str = "png", replica_id: str | None = None) -> bytes | dict:
         """This replica's cache-memory timeline: a PNG, or ``format="json"`` for the recorded series.
         (``replica_id`` pins the call to this replica; see ``FitAwareRequestRouter``.)"""
-        t = self.tracker
+        timeline = {**self.engine.memory_timeline(), **self._watermarks}
         if format == "json":
-            return {"replica_id": self.replica_id, "series": t.series(), "crossings": list(t.crossings),
-                    "light_watermark": t.light, "heavy_watermark": t.heavy}
+            return {"replica_id": self.replica_id, **timeline}
         buf = io.BytesIO()
-        t.plot_memory_timeline(buf, title=f"cache memory by kind, replica {self.replica_id}")
+        plot_memory_timeline(timeline["series"], timeline["crossings"], buf, light=timeline["light_watermark"],
+                             heavy=timeline["heavy_watermark"], title=f"cache memory by kind, replica {self.replica_id}")
         return buf.getvalue()
 
     def metrics_snapshot(self) -> dict:
@@ -215,8 +215,8 @@ class EngineReplica:
         return snapshot(self._metrics)
 
     def finished_spans(self) -> list[dict]:
-        """Spans of this process under the "memory" tracing exporter, for tests."""
-        return finished_spans()
+        """Spans of this replica (and of its engine process) under the "memory" tracing exporter, for tests."""
+        return finished_spans() + self.engine.engine_process_spans()
 
     # Heartbeat to the controller ------------------------------------------------------------------
     async def _report_loop(self) -> None:
