@@ -11,6 +11,7 @@ from apt_serve_ray.cache.cache_manager import UpgradePlan
 from apt_serve_ray.cache.layout import CacheLayout
 from apt_serve_ray.cache.storage import CacheStorage
 from apt_serve_ray.config import EngineConfig
+from apt_serve_ray.cpu_info import has_native_bf16 as cpu_has_native_bf16
 from apt_serve_ray.model_loader import ModelSource, load_config, load_state_dict
 from apt_serve_ray.models import DecoderModel, model_class
 from apt_serve_ray.attention import AttentionMetadata, DecodeGroup, PrefillChunk, SlotWrite, make_backend
@@ -30,16 +31,6 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("device: 'cuda' requested but no CUDA device is available")
     return torch.device(name)
-
-
-def cpu_has_native_bf16() -> bool:
-    """AVX-512 BF16 or AMX: bf16 matmuls run at (or above) fp32 speed. Without them oneDNN emulates
-    bf16 and matmuls run several times slower than in fp32."""
-    try:
-        flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -39,7 +38,8 @@ import torch
 from apt_serve_ray import LLM
 from apt_serve_ray.calibration import _fake_request
 from apt_serve_ray.checkpoints import make_random_checkpoint
-from apt_serve_ray.model_runner import cpu_has_native_bf16
+from apt_serve_ray.cpu_info import cpu_name
+from apt_serve_ray.cpu_info import has_native_bf16 as cpu_has_native_bf16
 from apt_serve_ray.request import CacheKind
 from apt_serve_ray.scheduler.output import ScheduledChunk, SchedulerOutput
 
@@ -52,16 +52,6 @@ CONFIGS = {
     "fast hidden unfused": ("fast", CacheKind.HIDDEN, False),
     "fast hidden fused": ("fast", CacheKind.HIDDEN, True),
 }
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def build(path: str, backend: str, fused: bool, dtype: str, num_pages: int, device: str) -> LLM:

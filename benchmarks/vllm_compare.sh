@@ -3,7 +3,8 @@
 # token budget, max_num_seqs, dtype and compute threads; the client is benchmarks/peer_sweep.py.
 #
 #   PEER=/path/to/vllm-peer bash benchmarks/vllm_compare.sh [probe|sweep|all] [dtype] [threads]
-#   SERVERS=ours (or vllm) runs one side only and keeps the other's results in the JSON.
+#   SERVERS=ours (or vllm) runs one side only and keeps the other's results in the JSON; RUN=2 labels a
+#   repeat run apart from the first (the machines are noisy: repeat before concluding).
 #
 # PEER holds vLLM's venv and its vllm-cli wrapper (../shared/tools/vllm-peer/README.md says how to
 # make it). probe: single-stream TTFT/TPOT and saturated tok/s (~3 min per server); sweep: SLO
@@ -22,6 +23,7 @@ $PY -c "import sys; from apt_serve_ray.checkpoints import make_random_checkpoint
 OUT=docs/benchmarks/compare
 mkdir -p "$OUT"
 short=${dtype/bfloat16/bf16}; short=${short/float32/fp32}
+run=${RUN:+-$RUN}  # RUN=2: labels of a repeat run, kept beside the first
 
 wait_up() {  # port
     for _ in $(seq 1 120); do
@@ -29,6 +31,15 @@ wait_up() {  # port
         sleep 2
     done
     echo "server on :$1 did not come up" >&2
+    return 1
+}
+
+wait_free() {  # port: a previous server still shutting down would answer for the next one
+    for _ in $(seq 1 60); do
+        curl -sf "http://127.0.0.1:$1/v1/models" > /dev/null || return 0
+        sleep 2
+    done
+    echo "port $1 is still in use" >&2
     return 1
 }
 
@@ -58,15 +69,17 @@ binds=0; [ "$threads" = 2 ] && binds=0-1
 set -m
 servers=${SERVERS:-both}
 if [ "$servers" != ours ]; then
+wait_free 8100
 HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=$binds \
     "$PEER/venv/bin/python" "$PEER/vllm-cli" serve "$CKPT" --served-model-name opt-125m --max-model-len 1024 \
     --dtype "$dtype" --no-enable-prefix-caching --block-size 32 --num-gpu-blocks-override 189 \
     --max-num-batched-tokens 512 --max-num-seqs 64 --port 8100 > "/tmp/vllm_compare_vllm.log" 2>&1 &
 pid=$!
-wait_up 8100 && client 8100 "vllm-$short-${threads}t" || true
+wait_up 8100 && client 8100 "vllm-$short-${threads}t$run" || true
 stop $pid
 fi
 [ "$servers" = vllm ] && exit 0
+wait_free 8000
 
 # Ours: 378 pages of 16 = 6,048 KV tokens; watermarks at 1.0 (vLLM has no admission control, and a
 # 503 would count as a miss); the SLOs told to the server, as apt schedules by them.
@@ -75,5 +88,5 @@ fi
     policy=apt light_watermark=1.0 heavy_watermark=1.0 default_ttft_slo_ms=4000 default_tbt_slo_ms=1000 \
     > "/tmp/vllm_compare_ours.log" 2>&1 &
 pid=$!
-wait_up 8000 && client 8000 "apt-serve-$short-${threads}t" --baseline "vllm-$short-${threads}t" || true
+wait_up 8000 && client 8000 "apt-serve-$short-${threads}t$run" --baseline "vllm-$short-${threads}t$run" || true
 stop $pid

@@ -37,23 +37,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from apt_serve_ray.cpu_info import cpu_name, cpuinfo_field
+
 logger = logging.getLogger("apt_serve_ray")
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("cpu_attention.cpp", "cpu_hidden.cpp", "cpu_prefill.cpp")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-std=c++17"]
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("flags"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
 
 
 def _build_dir() -> tuple[str, Path]:
@@ -63,7 +53,7 @@ def _build_dir() -> tuple[str, Path]:
         key.update(source.read_bytes())
     key.update(" ".join(_FLAGS).encode())
     key.update(torch.__version__.encode())
-    key.update(_cpu_flags().encode())
+    key.update((cpuinfo_field("flags") or cpu_name()).encode())
     name = f"apt_cpu_attention_{key.hexdigest()[:12]}"
     root = Path(os.environ.get("APT_SERVE_EXTENSIONS_DIR")
                 or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "apt-serve-ray" / "extensions")
