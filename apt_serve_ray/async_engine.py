@@ -24,6 +24,7 @@ from apt_serve_ray.engine_process import EngineObservers, EngineProcess, Metrics
 from apt_serve_ray.llm import apply_chat_template
 from apt_serve_ray.outputs import RequestOutput
 from apt_serve_ray.sampling_params import SamplingParams
+from apt_serve_ray.stats import CacheStats
 
 logger = logging.getLogger("apt_serve_ray")
 
@@ -56,13 +57,13 @@ class AsyncLLMEngine:
             self.engine: LLMEngine | None = engine or LLMEngine(config)
             self.process: EngineProcess | None = None
             self._tracker = attach_observers(self.engine, observers, metrics_backend)
-            self._load: dict = self.engine.cache_stats()
+            self._cache: CacheStats = self.engine.cache_stats()
             self._max_model_len = self.engine.max_model_len
         else:
             self.engine = None
             self.process = EngineProcess(config, observers)
             self._tracker = None
-            self._load = self.process.info["load"]
+            self._cache = self.process.info["cache"]
             self._max_model_len = self.process.info["max_model_len"]
             defs = self.process.info["metric_defs"]
             self._metrics_replay = MetricsReplay(metrics_backend, defs) if metrics_backend is not None and defs else None
@@ -192,9 +193,14 @@ class AsyncLLMEngine:
         finally:
             self._replies.pop(token, None)
 
+    def cache_stats(self) -> CacheStats:
+        """The latest snapshot of the engine's cache and queues (after its last step or command)."""
+        return self._cache
+
     def load(self) -> dict:
-        """The latest snapshot of cache and queue state, for routing and the controller."""
-        load = dict(self._load)
+        """``cache_stats()`` as the load-report dict (``CacheStats.as_load``), with the mean step time
+        and the number of open streams, for routing and the controller."""
+        load = self._cache.as_load()
         load["step_time_ms"] = 1000.0 * sum(self._step_times) / len(self._step_times) if self._step_times else 0.0
         load["num_streams"] = len(self._streams)
         return load
@@ -211,18 +217,19 @@ class AsyncLLMEngine:
             while not self._stop.is_set():
                 self._drain_inbox()
                 if not self.engine.has_unfinished_requests():
-                    self._load = self.engine.cache_stats()
+                    self._cache = self.engine.cache_stats()
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
                 start = time.perf_counter()
                 outputs = self.engine.step()
-                if outputs or self.engine.last_step:
+                step = self.engine.last_step
+                if outputs or step is not None:
                     self._step_times.append(time.perf_counter() - start)
-                self._load = self.engine.cache_stats()
+                self._cache = step.cache if step is not None else self.engine.cache_stats()
                 for out in outputs:
                     self._deliver(out.request_id, out)
-                if not outputs and not self.engine.last_step:
+                if not outputs and step is None:
                     # Nothing could run (e.g. admission closed): do not spin.
                     self._wake.wait(timeout=0.01)
                     self._wake.clear()
@@ -241,16 +248,15 @@ class AsyncLLMEngine:
                 msg = self.process.conn.recv()
                 kind = msg[0]
                 if kind == "step":
-                    _, outputs, load, step_s, metric_ops = msg
-                    self._load = load
+                    _, outputs, self._cache, step_s, metric_ops = msg
                     if step_s:
                         self._step_times.append(step_s)
                     if metric_ops and self._metrics_replay is not None:
                         self._metrics_replay.apply(metric_ops)
                     for out in outputs:
                         self._deliver(out.request_id, out)
-                elif kind == "load":
-                    self._load = msg[1]
+                elif kind == "cache":
+                    self._cache = msg[1]
                 elif kind == "invalid":
                     self._deliver(msg[1], ValueError(msg[2]))
                 elif kind == "reply":

@@ -9,6 +9,8 @@
   in which the scheduler counts a request's memory ``m_i`` (SPEC section 2).
 * ``step_time_model`` times whole steps (prepare + forward + lm-head + sample) for a few decode
   batches and prefill chunks and fits ``step_s ~ a + b * num_tokens + c * sum_context``.
+* ``measure_costs`` is what the engine calls when it installs a policy that prices with them: it
+  measures the ``StepCosts`` the policy was not given, and the engine injects them.
 
 Timings take the fastest of a few repeats (interference only adds time) and, on a CPU with one
 torch thread, this thread's CPU time rather than wall time, so a busy shared machine does not
@@ -19,18 +21,42 @@ request holds pages (engine start).
 
 from __future__ import annotations
 
+import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from apt_serve_ray.attention import DecodeGroup
 from apt_serve_ray.request import CacheKind, Request
 from apt_serve_ray.sampling_params import SamplingParams
+from apt_serve_ray.scheduler.costs import StepCosts
 from apt_serve_ray.scheduler.output import ScheduledChunk, SchedulerOutput
+
+logger = logging.getLogger("apt_serve_ray")
 
 DEFAULT_RHO_LENGTHS = (64, 128, 256, 512, 1024)
 _OWNER = "__calibration__"
+
+
+def measure_costs(runner, pool, known: StepCosts = StepCosts(), *, hidden_allowed: bool) -> StepCosts:
+    """``known`` with its unknown fields measured on ``runner``'s model, borrowing free pages of ``pool``.
+
+    rho is measured only where the hidden kind may be used (0 otherwise), and then also prices the
+    hidden requests' recompute in the step-time model. A pool too small to time a few batches leaves
+    the step-time model unknown (prefill chunks then keep the fixed token budget)."""
+    rho, step_time, rho_calibration = known.rho, known.step_time, None
+    if rho is None:
+        rho = 0.0
+        if hidden_allowed:
+            rho_calibration = calibrate_rho(runner)
+            rho = rho_calibration.seconds_per_page
+    if step_time is None:
+        try:
+            step_time = step_time_model(runner, pool=pool, rho=rho_calibration)
+        except ValueError as exc:
+            logger.warning("no step-time model (%s); prefill chunks use the fixed token budget", exc)
+    return StepCosts(rho, step_time)
 
 
 def _sync(device: torch.device) -> None:

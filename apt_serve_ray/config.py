@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from apt_serve_ray.scheduler.watermarks import HEAVY_WATERMARK, HIDDEN_RATIO_STEP, LIGHT_WATERMARK, MAX_HIDDEN_RATIO
+
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # see apt_serve_ray.attention
@@ -46,7 +48,6 @@ class EngineConfig:
     # Batching.
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
     policy: str = "sarathi"
     policy_options: dict | None = None  # keyword arguments of the policy, e.g. AdaptiveScheduler's weights
     # Per-request defaults (SLOs in milliseconds; lower priority value = served earlier, as in vLLM).
@@ -54,10 +55,10 @@ class EngineConfig:
     default_tbt_slo_ms: float = 1_000.0
     default_priority: int = 0
     # Memory watermarks (share of pages in use) steering the hidden target and admission.
-    light_watermark: float = 0.7
-    heavy_watermark: float = 0.9
-    max_hidden_ratio: float = 0.7
-    hidden_ratio_step: float = 0.1
+    light_watermark: float = LIGHT_WATERMARK
+    heavy_watermark: float = HEAVY_WATERMARK
+    max_hidden_ratio: float = MAX_HIDDEN_RATIO
+    hidden_ratio_step: float = HIDDEN_RATIO_STEP
     enable_watermarks: bool = False
     calibrate_rho: bool = True
 
@@ -84,9 +85,9 @@ class EngineConfig:
             if value is not None:
                 _positive_int(name, value)
         for name in ("cache_ratio", "light_watermark", "heavy_watermark", "max_hidden_ratio", "hidden_ratio_step"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-                raise ValueError(f"{name}: must be a number in [0, 1], got {value!r}")
+            check_share(name, getattr(self, name))
+        if self.hidden_ratio_step == 0:
+            raise ValueError("hidden_ratio_step: must be above 0 (the hidden target would never move)")
         if self.light_watermark > self.heavy_watermark:
             raise ValueError(
                 f"light_watermark: {self.light_watermark} must not exceed heavy_watermark {self.heavy_watermark}"
@@ -95,7 +96,7 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name}: must be a positive number, got {value!r}")
-        for name in ("enable_hybrid_cache", "force_hidden", "enable_chunked_prefill", "enable_watermarks",
+        for name in ("enable_hybrid_cache", "force_hidden", "enable_watermarks",
                      "calibrate_rho", "cache_proj_optimize", "engine_process"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")
@@ -114,6 +115,14 @@ class EngineConfig:
     def hidden_allowed(self, hidden_saves_memory: bool) -> bool:
         """Whether the engine may use hidden pages for a model whose layout has ``hidden_saves_memory``."""
         return self.enable_hybrid_cache and (hidden_saves_memory or self.force_hidden)
+
+
+def check_share(name: str, value: object) -> float:
+    """A share in [0, 1] (``cache_ratio``, the watermarks), as a float; ValueError naming ``name`` if not.
+    The one check of a cache ratio, at start (``EngineConfig``) and when it changes at run time."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name}: must be a number in [0, 1], got {value!r}")
+    return float(value)
 
 
 def _positive_int(name: str, value: object) -> None:

@@ -1,6 +1,7 @@
 """The synchronous engine: add requests, ``step()`` (schedule, run, postprocess), collect outputs.
 
 Single-threaded by design: the async engine and the Ray deployment drive it from one loop thread.
+What it publishes about itself is typed in ``stats.py``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Callable
 import torch
 
 from apt_serve_ray.cache.cache_manager import CacheManager
+from apt_serve_ray.calibration import measure_costs
 from apt_serve_ray.cache.page_pool import PagePool
 from apt_serve_ray.config import EngineConfig
 from apt_serve_ray.detokenizer import IncrementalDetokenizer
@@ -26,18 +28,38 @@ from apt_serve_ray.scheduler.output import ScheduledChunk
 from apt_serve_ray.scheduler.registry import make_policy
 from apt_serve_ray.scheduler.scheduler import Scheduler
 from apt_serve_ray.scheduler.watermarks import Watermarks
+from apt_serve_ray.stats import CacheStats, StepStats
 
 logger = logging.getLogger("apt_serve_ray")
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    """By default the engine loads ``config.model`` and runs on ``time.monotonic``. The simulator
+    (``bench/simulator.py``) injects instead a ``runner`` that executes a ``SchedulerOutput`` without a
+    model, a stand-in ``tokenizer`` and a simulated ``clock``, so the logic under test is this one.
+
+    A runner has ``layout``, ``num_pages``, ``max_model_len``, ``vocab_size`` and ``hf_config`` (for
+    its EOS ids; may be None), ``execute(out) -> [(request, SampledToken)]`` for the requests whose
+    chunk completes, and ``forget(request_id)``. Every time the engine reads (arrival, schedule,
+    tokens, finish, step durations) comes from ``clock()``.
+    """
+
+    def __init__(self, config: EngineConfig, *, runner=None, tokenizer=None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        self.clock = clock
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        self.source = resolve_model(config.model)
-        self.tokenizer = load_tokenizer(self.source, config.tokenizer)
-        self.runner = ModelRunner(config, self.source)
+        if runner is None:
+            self.source = resolve_model(config.model)
+            tokenizer = load_tokenizer(self.source, config.tokenizer)
+            runner = ModelRunner(config, self.source)
+        elif tokenizer is None:
+            raise ValueError("tokenizer: an injected runner needs a tokenizer beside it")
+        else:
+            self.source = None
+        self.tokenizer = tokenizer
+        self.runner = runner
         self.layout = self.runner.layout
         self.max_model_len = self.runner.max_model_len
         kv_capacity = self.runner.num_pages * config.block_size
@@ -46,10 +68,18 @@ class LLMEngine:
             logger.warning("max_model_len capped from %d to %d tokens: the KV capacity of %d pages",
                            self.max_model_len, kv_capacity, self.runner.num_pages)
             self.max_model_len = kv_capacity
-        self.vocab_size = self.runner.model.shape.vocab_size
+        self.vocab_size = self.runner.vocab_size
         self.cache = CacheManager(PagePool(self.runner.num_pages), self.layout)
         self.hidden_allowed = config.hidden_allowed(self.layout.hidden_saves_memory)
         self._log_cache_geometry()
+        lay = self.layout
+        self._geometry = dict(  # the fixed part of cache_stats(), published every step
+            hidden_supported=lay.hidden_saves_memory, hidden_ratio=lay.hidden_ratio,
+            bytes_per_page=lay.bytes_per_page, kv_bytes_per_token=lay.bytes_per_token(CacheKind.KV),
+            hidden_bytes_per_token=lay.bytes_per_token(CacheKind.HIDDEN),
+            kv_tokens_per_page=lay.tokens_per_page(CacheKind.KV),
+            hidden_tokens_per_page=lay.tokens_per_page(CacheKind.HIDDEN),
+        )
         self.scheduler = Scheduler(config, self.cache, None, self.hidden_allowed, self.max_model_len)
         self.set_policy(make_policy(config.policy, config, **(config.policy_options or {})))
         self.watermarks = (
@@ -61,7 +91,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids()
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self.last_step: dict[str, float] = {}
+        self.last_step: StepStats | None = None
         self.num_steps = 0
         self._observers: list[EngineObserver] = [RequestLogger()]
 
@@ -101,8 +131,12 @@ class LLMEngine:
         return ids
 
     def set_policy(self, policy) -> None:
-        if hasattr(policy, "bind"):
-            policy.bind(self)
+        """Install ``policy``. One that prices its choices (``policy.costs`` not None) gets the step costs
+        it was not given measured here, on this engine's model and pages, and injected; the policy
+        itself never sees the engine. ``calibrate_rho=False`` (the simulator) measures nothing."""
+        costs = getattr(policy, "costs", None)
+        if costs is not None and self.config.calibrate_rho:
+            policy.set_costs(measure_costs(self.runner, self.cache.pool, costs, hidden_allowed=self.hidden_allowed))
         self.scheduler.policy = policy
 
     # Requests -------------------------------------------------------------------------------------
@@ -137,7 +171,8 @@ class LLMEngine:
         if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
             raise ValueError(f"priority: must be an integer, got {priority!r}")
         return Request(
-            request_id or uuid.uuid4().hex, ids, params, prompt=text, arrival_time=arrival_time,
+            request_id or uuid.uuid4().hex, ids, params, prompt=text,
+            arrival_time=self.clock() if arrival_time is None else arrival_time,
             max_total_tokens=self.max_model_len,
             ttft_slo_ms=ttft_slo_ms or self.config.default_ttft_slo_ms,
             tbt_slo_ms=tbt_slo_ms or self.config.default_tbt_slo_ms,
@@ -155,7 +190,7 @@ class LLMEngine:
         )
         self.requests[request.request_id] = request
         self.scheduler.add_request(request)
-        self._emit(request, RequestEvent.QUEUED, time.monotonic())
+        self._emit(request, RequestEvent.QUEUED, self.clock())
         return request
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -169,7 +204,7 @@ class LLMEngine:
 
     # The step -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        t0 = time.perf_counter()
+        t0 = self.clock()
         usage = self.cache.pool.usage()
         if self.watermarks is not None:
             decision = self.watermarks.observe(usage)
@@ -179,14 +214,14 @@ class LLMEngine:
                 self.scheduler.pressure_admit = decision.admit
         if self.monitor_callback is not None:
             self.monitor_callback(usage)
-        sched_now = time.monotonic()
+        sched_now = self.clock()
         out = self.scheduler.schedule(sched_now)
-        if out.is_empty:
-            self.last_step = {}
-            return []
+        self.last_step = None
         if len(self._observers) > 1 or out.preempted:
             self._emit_schedule_events(out, sched_now)
-        t1 = time.perf_counter()
+        if out.is_empty:
+            return []
+        t1 = self.clock()
         try:
             results = self.runner.execute(out)
         except Exception as exc:  # the step failed: every request in it ends with an explicit error
@@ -198,21 +233,16 @@ class LLMEngine:
                 failed.append(self._finish(chunk.request, RequestStatus.FINISHED_ERROR))
             return failed
         self.cache.release_deferred()
-        t2 = time.perf_counter()
-        now = time.monotonic()
+        now = self.clock()
         for chunk in out.chunks:
             chunk.request.num_computed_tokens += chunk.num_tokens
         outputs = [self._on_token(request, sampled, now) for request, sampled in results]
         self.num_steps += 1
-        t3 = time.perf_counter()
-        pool = self.cache.pool
-        self.last_step = {
-            "schedule_s": out.schedule_time_s, "execute_s": t2 - t1, "total_s": t3 - t0,
-            "num_tokens": out.num_batched_tokens, "num_seqs": len(out.chunks), "num_preempted": len(out.preempted),
-            "preempt_causes": out.preempt_causes, "num_upgrades": len(out.upgrades),
-            "pages_kv": pool.num_used(CacheKind.KV), "pages_hidden": pool.num_used(CacheKind.HIDDEN),
-            "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
-        }
+        self.last_step = StepStats(
+            schedule_s=out.schedule_time_s, execute_s=now - t1, total_s=self.clock() - t0,
+            num_tokens=out.num_batched_tokens, num_seqs=len(out.chunks), num_upgrades=len(out.upgrades),
+            preempt_causes=tuple(out.preempt_causes), cache=self.cache_stats(),
+        )
         for observer in self._observers:
             observer.on_step(self, self.last_step, now)
         return outputs
@@ -254,8 +284,8 @@ class LLMEngine:
 
     def _finish(self, request: Request, status: RequestStatus) -> RequestOutput:
         self.scheduler.finish(request, status)
-        request.finish_time = time.monotonic()
-        self.runner.sampler.forget(request.request_id)
+        request.finish_time = self.clock()
+        self.runner.forget(request.request_id)
         self._emit(request, RequestEvent.FINISHED, request.finish_time, outcome=status.value)
         output = self._output(request)
         self.requests.pop(request.request_id, None)
@@ -305,26 +335,15 @@ class LLMEngine:
     def set_admission(self, open_: bool) -> None:
         self.scheduler.admission_open = bool(open_)
 
-    def cache_stats(self) -> dict:
-        pool, lay = self.cache.pool, self.layout
-        used = pool.num_used_pages
-        active = list(self.scheduler.running) + list(self.scheduler.waiting)
-        return {
-            "hidden_supported": lay.hidden_saves_memory,
-            "hidden_allowed": self.hidden_allowed,
-            "hidden_ratio": lay.hidden_ratio,
-            "bytes_per_token": {k.value: lay.bytes_per_token(k) for k in CacheKind},
-            "tokens_per_page": {k.value: lay.tokens_per_page(k) for k in CacheKind},
-            "bytes_per_page": lay.bytes_per_page,
-            "num_pages": pool.num_pages,
-            "num_free_pages": pool.num_free_pages,
-            "pages": {k.value: pool.num_used(k) for k in CacheKind},
-            "tokens": self.cache.num_cached_tokens(active),
-            "usage": used / pool.num_pages,
-            "cache_ratio": self.scheduler.cache_ratio,
-            "hidden_share": self.scheduler.hidden_share(),
-            "num_waiting": len(self.scheduler.waiting),
-            "num_running": len(self.scheduler.running),
-            "num_preemptions": self.scheduler.num_preemptions,
-            "admission_open": self.scheduler.admission_open and self.scheduler.pressure_admit,
-        }
+    def cache_stats(self) -> CacheStats:
+        pool, lay, sched = self.cache.pool, self.layout, self.scheduler
+        tokens = self.cache.num_cached_tokens(list(sched.running) + list(sched.waiting))
+        return CacheStats(
+            num_pages=pool.num_pages, num_free_pages=pool.num_free_pages,
+            num_kv_pages=pool.num_used(CacheKind.KV), num_hidden_pages=pool.num_used(CacheKind.HIDDEN),
+            num_kv_tokens=tokens[CacheKind.KV.value], num_hidden_tokens=tokens[CacheKind.HIDDEN.value],
+            usage=pool.usage(), cache_ratio=sched.cache_ratio, hidden_share=sched.hidden_share(),
+            num_waiting=len(sched.waiting), num_running=len(sched.running), num_preemptions=sched.num_preemptions,
+            admission_open=sched.admission_open and sched.pressure_admit, hidden_allowed=self.hidden_allowed,
+            **self._geometry,
+        )

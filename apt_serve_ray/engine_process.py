@@ -9,8 +9,10 @@ this reason; this module does the same, with one message per step each way:
 
     parent -> child   ("add", prompt, params, request_id, options)  ("abort", id)  ("ratio", x)
                       ("admission", open)  ("query", token, name)  ("stop",)
-    child -> parent   ("ready", info)  ("failed", text)  ("step", outputs, load, step_s, metric_ops)
-                      ("load", load)  ("invalid", id, message)  ("reply", token, value)  ("died", text)
+    child -> parent   ("ready", info)  ("failed", text)  ("step", outputs, cache, step_s, metric_ops)
+                      ("cache", cache)  ("invalid", id, message)  ("reply", token, value)  ("died", text)
+
+``cache`` is the engine's ``CacheStats`` after the step or command (``stats.py``).
 
 Observers that need the engine object run in the child (``EngineObservers``): the engine's metrics
 are recorded there into ``RecordingMetrics`` and replayed by the parent into its real backend (Ray's
@@ -67,8 +69,7 @@ def attach_observers(engine, spec: EngineObservers | None, metrics_backend):
 def timeline_of(tracker) -> dict:
     if tracker is None:
         return {"series": {}, "crossings": [], "light_watermark": 0.7, "heavy_watermark": 0.9}
-    return {"series": tracker.series(), "crossings": list(tracker.crossings), "light_watermark": tracker.light,
-            "heavy_watermark": tracker.heavy}
+    return tracker.timeline()
 
 
 # Metrics across the process boundary ----------------------------------------------------------------
@@ -142,7 +143,7 @@ def _engine_main(config, spec: EngineObservers | None, conn) -> None:
             from apt_serve_ray.cpu_affinity import pin_current_thread
 
             pin_current_thread(config.cpu_affinity)
-        conn.send(("ready", {"max_model_len": engine.max_model_len, "load": engine.cache_stats(),
+        conn.send(("ready", {"max_model_len": engine.max_model_len, "cache": engine.cache_stats(),
                              "metric_defs": recording.defs if recording is not None else {}}))
     except BaseException:  # noqa: BLE001 - the parent raises it as its own construction error
         conn.send(("failed", traceback.format_exc()))
@@ -161,9 +162,9 @@ def _engine_main(config, spec: EngineObservers | None, conn) -> None:
             start = time.perf_counter()
             outputs = engine.step()
             step_s = time.perf_counter() - start
-            if outputs or engine.last_step:
-                conn.send(("step", outputs, engine.cache_stats(), step_s,
-                           recording.drain() if recording is not None else None))
+            if outputs or engine.last_step is not None:
+                cache = engine.last_step.cache if engine.last_step is not None else engine.cache_stats()
+                conn.send(("step", outputs, cache, step_s, recording.drain() if recording is not None else None))
             elif not outputs:
                 time.sleep(0.01)  # nothing could run (e.g. admission closed): do not spin
     except (EOFError, BrokenPipeError, ConnectionResetError):
@@ -193,7 +194,7 @@ def _handle(msg, engine, conn, tracker) -> bool:
             engine.adjust_cache_ratio(msg[1])
         else:
             engine.set_admission(msg[1])
-        conn.send(("load", engine.cache_stats()))  # the parent's load report must show it, idle or not
+        conn.send(("cache", engine.cache_stats()))  # the parent's load report must show it, idle or not
     elif op == "query":
         _, token, name = msg
         if name == "memory_timeline":

@@ -7,10 +7,11 @@ from typing import Callable, Sequence
 
 from apt_serve_ray.config import EngineConfig
 from apt_serve_ray.engine import LLMEngine
-from apt_serve_ray.model_loader import DEFAULT_MODEL
+from apt_serve_ray.model_loader import DEFAULT_MODEL, generation_defaults, resolve_model
 from apt_serve_ray.outputs import RequestOutput
 from apt_serve_ray.sampling_params import SamplingParams
 from apt_serve_ray.scheduler.registry import make_policy
+from apt_serve_ray.stats import CacheStats
 
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 
@@ -27,9 +28,15 @@ class LLM:
 
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs) -> None:
         self.llm_engine = LLMEngine(make_config(model, **kwargs))
+        self._sampling_defaults = generation_defaults(resolve_model(self.llm_engine.config.model))
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` / ``chat`` sample with when given no ``SamplingParams``: the model's
+        generation-config defaults where it has them, else ``SamplingParams()``'s (as vLLM)."""
+        return SamplingParams(**self._sampling_defaults)
 
     def generate(
         self,
@@ -47,7 +54,7 @@ class LLM:
                 raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(prompts)} prompts")
             params = list(sampling_params)
         else:
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority: {len(priority)} given for {len(prompts)} prompts")
         engine = self.llm_engine
@@ -78,7 +85,7 @@ class LLM:
         return apply_chat_template(self.llm_engine.tokenizer, messages, add_generation_prompt)
 
     # Hybrid cache and scheduler knobs
-    def cache_stats(self) -> dict:
+    def cache_stats(self) -> CacheStats:
         return self.llm_engine.cache_stats()
 
     def adjust_cache_ratio(self, ratio: float) -> None:

@@ -61,6 +61,7 @@ class ModelRunner:
         self.model: DecoderModel = cls(self.hf_config, state, self.device, self.dtype, self.max_model_len)
         del state
         s = self.model.shape
+        self.vocab_size = s.vocab_size
         self.layout = CacheLayout(
             num_layers=s.num_layers, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
             hidden_size=s.hidden_size, block_size=config.block_size,
@@ -88,6 +89,10 @@ class ModelRunner:
                 f"cache_budget_bytes: {budget} bytes is smaller than one page ({self.layout.bytes_per_page} bytes)"
             )
         return num
+
+    def forget(self, request_id: str) -> None:
+        """The request has left the engine: drop its sampling state (its seeded generator)."""
+        self.sampler.forget(request_id)
 
     # One step -------------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -45,7 +45,6 @@ class Request:
         *,
         prompt: str | None = None,
         arrival_time: float | None = None,
-        eos_token_id: int | None = None,
         max_total_tokens: int,
         ttft_slo_ms: float,
         tbt_slo_ms: float,
@@ -57,7 +56,6 @@ class Request:
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
-        self.eos_token_id = eos_token_id
         self.ttft_slo_ms = ttft_slo_ms
         self.tbt_slo_ms = tbt_slo_ms
         self.priority = priority
@@ -73,7 +71,6 @@ class Request:
         self.cumulative_logprob = 0.0
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
-        self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.error: str | None = None
 

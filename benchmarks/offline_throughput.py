@@ -104,9 +104,11 @@ def run_engine(llm: LLM, timers: _Timers, prompts, output_len: int) -> dict:
         ts = time.perf_counter()
         outs = engine.step()
         wall = time.perf_counter() - ts
-        if not engine.last_step:
+        stats = engine.last_step
+        if stats is None:
             continue
-        rec = dict(engine.last_step, wall_s=wall, **timers.take())
+        rec = {"schedule_s": stats.schedule_s, "execute_s": stats.execute_s, "total_s": stats.total_s,
+               "num_tokens": stats.num_tokens, "num_seqs": stats.num_seqs, "wall_s": wall, **timers.take()}
         steps.append(rec)
         num_out += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0

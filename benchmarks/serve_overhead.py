@@ -143,15 +143,18 @@ def app_handle_request(a, handle, prompt):
 
 
 def engine_handle_request(a, handle, prompt):
-    request = {"request_id": f"overhead-{time.time()}", "prompt": prompt, "num_prompt_tokens": len(prompt),
-               "max_tokens": a.max_tokens, "sampling": {"temperature": 0, "max_tokens": a.max_tokens, "ignore_eos": True}}
-    start, arrivals, n, last = time.perf_counter(), [], 0, {}
+    from apt_serve_ray import SamplingParams
+    from deployments.wire import EngineRequest
+
+    request = EngineRequest(list(prompt), SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True),
+                            f"overhead-{time.time()}")
+    start, arrivals, n, last = time.perf_counter(), [], 0, None
     for item in handle.options(stream=True).generate.remote(request):
-        if item["token_ids"]:
+        if item.token_ids:
             arrivals.append(time.perf_counter())
-            n += len(item["token_ids"])
+            n += len(item.token_ids)
         last = item
-    return start, arrivals, n, last["engine_ttft_s"]
+    return start, arrivals, n, last.engine_ttft_s
 
 
 def ray_processes() -> dict[str, float]:

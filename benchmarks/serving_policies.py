@@ -229,8 +229,7 @@ def _plots(workload, attainment, results, rates, slo, args) -> None:
                             title=f"{workload} at {top:g} req/s", ttft_slo_ms=slo["ttft_ms"], tbt_slo_ms=slo["tbt_ms"])
     apt = "apt" if "apt" in attainment else next(iter(attainment))
     run = results[(apt, top)]
-    plots.plot_memory_timeline(run.memory_dict(), run.num_pages, args.out_dir / f"memory_{tag}_{apt}.png",
-                               title=f"{workload} at {top:g} req/s, {apt}")
+    run.plot_memory_timeline(args.out_dir / f"memory_{tag}_{apt}.png", title=f"{workload} at {top:g} req/s, {apt}")
 
 
 # Report ------------------------------------------------------------------------------------------

@@ -1,10 +1,14 @@
 """The Ray Serve application: thin deployments over the ``apt_serve_ray`` engine.
 
-- ``app.py``             the app builder and its validated arguments (``AppArgs``)
-- ``router.py``          the HTTP ingress (OpenAI API) and Python handle API
+- ``app.py``             the app builder and its validated arguments (``AppArgs``, ``RouterOptions``)
+- ``wire.py``            what the deployments send each other (request, stream item, load report, ...)
+- ``router.py``          the HTTP ingress (OpenAI API) and Python handle API: endpoints, admission, the engine call
+- ``preparation.py``     an OpenAI body -> a validated, tokenised ``EngineRequest`` and its admission ticket
+- ``responses.py``       stream items -> OpenAI responses, chunks and server-sent events
 - ``openai_protocol.py`` OpenAI request models, error bodies, responses and stream chunks
 - ``admission.py``       score-ordered admission while the engines are saturated
 - ``request_router.py``  Serve's request router for the engine replicas: where a request fits
 - ``engine_replica.py``  one engine per replica: token streaming, load, control calls
+- ``streaming.py``       merging what piles up in a stream while Ray is sending
 - ``controller.py``      the cluster-wide memory watermarks (hidden-cache ratio, admission)
 """

@@ -1,7 +1,8 @@
 """Admission order at the router: while the engines are saturated, requests wait here and are let
 through in the order of the adaptive score, not first-come-first-served.
 
-A request's score is the SPEC's generalised value per page of memory it will need::
+A request's score is the density of the value model the adaptive policy uses
+(``apt_serve_ray/scheduler/value.py``), with the time it has waited here as its pending time::
 
     value   = time_weight * waited_s + slo_weight * urgency + priority_weight * importance
     density = value / pages ** memory_weight
@@ -10,6 +11,7 @@ A request's score is the SPEC's generalised value per page of memory it will nee
 ``importance`` is how many priority levels it is ahead of the least important waiting request
 (lower ``priority`` = more important, as in vLLM). Ties go to the earliest arrival, and a request
 that has waited ``max_wait_s`` goes before every scored one, so a large request cannot starve.
+The weights default to ``ADMISSION_WEIGHTS`` (all 1), not to the policy's.
 
 "Saturated" means this router already has ``max_in_flight`` requests on the engines (by default
 every replica's ``max_num_seqs``): more would only queue inside an engine, where the router could
@@ -25,15 +27,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from apt_serve_ray.scheduler.knapsack import compute_values, urgency
+from apt_serve_ray.scheduler.value import ValueWeights, importance, urgency
 
-
-@dataclass(frozen=True)
-class ScoreWeights:
-    time_weight: float = 1.0
-    memory_weight: float = 1.0
-    slo_weight: float = 1.0
-    priority_weight: float = 1.0
+ADMISSION_WEIGHTS = ValueWeights(time_weight=1.0, memory_weight=1.0, slo_weight=1.0, priority_weight=1.0)
 
 
 @dataclass
@@ -55,7 +51,7 @@ class QueueFull(Exception):
 
 
 class AdmissionQueue:
-    def __init__(self, max_in_flight: int, max_queued: int, weights: ScoreWeights = ScoreWeights(),
+    def __init__(self, max_in_flight: int, max_queued: int, weights: ValueWeights = ADMISSION_WEIGHTS,
                  slack_s: float = 1.0, max_wait_s: float = 30.0) -> None:
         if max_in_flight < 1 or max_queued < 0:
             raise ValueError(f"max_in_flight must be >= 1 and max_queued >= 0, got {max_in_flight}, {max_queued}")
@@ -115,13 +111,8 @@ class AdmissionQueue:
         """Density of every waiting request, in arrival order."""
         now = time.monotonic() if now is None else now
         tickets = [t for t, _ in self._waiting]
-        pages = np.array([max(1, t.num_pages) for t in tickets], dtype=np.int64)
-        waited = np.array([max(0.0, now - t.arrival) for t in tickets])
-        priority = np.array([t.priority for t in tickets], dtype=np.float64)
         w = self.weights
-        value = compute_values(
-            waited, urgency(now, [t.deadline for t in tickets], self.slack_s), priority.max() - priority, pages,
-            time_weight=w.time_weight, slo_weight=w.slo_weight, priority_weight=w.priority_weight,
-            memory_weight=w.memory_weight,
-        )
-        return value / pages.astype(np.float64) ** w.memory_weight
+        waited = np.array([max(0.0, now - t.arrival) for t in tickets], dtype=np.float64)
+        urg = urgency(now, [t.deadline for t in tickets], self.slack_s) if w.slo_weight else None
+        imp = importance([t.priority for t in tickets]) if w.priority_weight else None
+        return w.density(w.value(waited, urg, imp), np.array([t.num_pages for t in tickets], dtype=np.int64))

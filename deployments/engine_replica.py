@@ -1,30 +1,24 @@
 """EngineReplica: one ``AsyncLLMEngine`` per Serve replica (one per GPU, or per CPU slot).
 
-The engine's loop thread steps continuously; ``generate`` streams each new token back to the caller
-as a small dict (``handle.options(stream=True).generate.remote(request)``). The replica's load goes
-to the request router through ``record_routing_stats`` (Serve polls it) and to the cluster
-controller through a heartbeat whose reply carries the cluster's knobs: Serve has no way to call
-every replica of a deployment, so the replicas report in and the controller answers.
-
+The engine's loop thread steps continuously; ``generate`` takes an ``EngineRequest`` and streams
+each new token back to the caller as a ``StreamItem`` (``handle.options(stream=True).generate.remote(
+request)``); a request the engine refuses gets one ``InvalidRequest`` instead (see ``deployments/wire.py``).
 Tokens that pile up while Ray is still sending the previous item travel together (``coalesced``).
-Wire format of one streamed item (every key optional but ``text``/``token_ids``)::
 
-    {"text": "new text", "token_ids": [ids], "replica_id": "ab12", "num_prompt_tokens": 7 and
-     "engine_ttft_s": 0.12 (first item: the engine's own TTFT, which the router subtracts from its own),
-     "finish_reason": "stop"|"length"|"abort"|"error", "stop_reason": ..., "num_output_tokens": 9,
-     "error": "message", "engine_ttft_s": 0.12, "engine_e2e_s": 1.3 (last item)}
+The replica's ``LoadReport`` goes to the request router through ``record_routing_stats`` (Serve polls
+it) and to the cluster controller through a heartbeat whose reply (``Knobs``) carries the cluster's
+knobs: Serve has no way to call every replica of a deployment, so the replicas report in and the
+controller answers.
 
-A request may carry ``trace_context`` (a W3C carrier dict): the engine's span for it becomes a child
-of the router's. The replica also keeps the engine's metrics (``EngineMetrics`` into Ray's metrics)
-and its memory timeline (``CacheTracker``; ``memory_timeline()`` draws it).
-
-A request the engine refuses yields one ``{"invalid": "field: what is wrong"}`` item and ends.
+The replica also keeps the engine's metrics (``EngineMetrics`` into Ray's metrics) and its memory
+timeline (``CacheTracker``; ``memory_timeline()`` draws it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import io
 import logging
@@ -33,12 +27,13 @@ import time
 import ray
 from ray import serve
 
-from apt_serve_ray import AsyncLLMEngine, EngineConfig, SamplingParams, cpu_affinity
+from apt_serve_ray import AsyncLLMEngine, EngineConfig, cpu_affinity
 from apt_serve_ray.engine_process import EngineObservers
 from apt_serve_ray.observability.tracing import finished_spans
 from apt_serve_ray.observability.tracker import plot_memory_timeline
 from deployments.metrics import make_backend, snapshot
-from deployments.streaming import coalesced, merge_items
+from deployments.streaming import coalesced
+from deployments.wire import EngineRequest, InvalidRequest, Knobs, LoadReport, StreamItem
 
 logger = logging.getLogger("ray.serve")
 
@@ -65,7 +60,9 @@ class EngineReplica:
     async def __init__(self, engine_config: EngineConfig, controller=None, policy_options: dict | None = None,
                        report_interval_s: float = 0.5, observability: dict | None = None,
                        pin_cpus: bool = False) -> None:
-        """``observability``: ``{"model_name", "tracing_exporter", "mirror_metrics"}`` (all optional;
+        """``engine_config``: its watermarks are the ones the memory timeline draws (in the app, the
+        controller's; the engine's own rule is off there).
+        ``observability``: ``{"model_name", "tracing_exporter", "mirror_metrics"}`` (all optional;
         with ``engine_config.engine_process`` the engine, its spans and its timeline live in a process of
         its own, and its metrics are replayed here).
         ``pin_cpus``: give the engine's compute thread CPUs of its own (``apt_serve_ray.cpu_affinity``)
@@ -94,9 +91,6 @@ class EngineReplica:
         self.engine = AsyncLLMEngine(engine_config, observers=observers, metrics_backend=self._metrics)
         self.actor_name = ray.get_runtime_context().get_actor_name()
         self.model = engine_config.model
-        # The controller's watermarks are the ones that act (the engine's own are off).
-        self._watermarks = {"light_watermark": obs.get("light_watermark", engine_config.light_watermark),
-                            "heavy_watermark": obs.get("heavy_watermark", engine_config.heavy_watermark)}
         if engine_config.cpu_affinity:
             # Ray's threads here (and those it starts later, which inherit) go to the other CPUs; the
             # engine's loop thread, started next, pins itself to its own.
@@ -120,26 +114,22 @@ class EngineReplica:
                     self.engine.load()["num_pages"])
 
     # Requests -------------------------------------------------------------------------------------
-    async def generate(self, request: dict):
-        """``request``: ``{"request_id", "prompt": str | [token ids], "sampling": SamplingParams kwargs,
-        "scheduling": {"priority", "ttft_slo_ms", "tbt_slo_ms"}}`` (plus routing hints the router reads)."""
-        try:
-            params = SamplingParams(**request.get("sampling", {}))
-        except (TypeError, ValueError) as exc:
-            yield {"invalid": str(exc)}
+    async def generate(self, request: EngineRequest):
+        """``StreamItem``s of one request, or one ``InvalidRequest`` if the engine refuses it."""
+        if not isinstance(request, EngineRequest):
+            yield InvalidRequest(f"request: must be a deployments.wire.EngineRequest, got {type(request).__name__}")
             return
-        trace = {"trace_context": request["trace_context"]} if request.get("trace_context") else {}
-        stream = self.engine.generate(request["prompt"], params, request.get("request_id"),
-                                      **request.get("scheduling", {}), **trace)
+        stream = self.engine.generate(request.prompt, request.sampling, request.request_id,
+                                      **request.scheduling_kwargs())
         self.num_requests += 1
         finished = False
         key = object()  # not the request id: it may be None (then the engine makes one)
-        self._pending_pages[key] = -(-request.get("num_prompt_tokens", 0) // self._tokens_per_page) + 1
+        self._pending_pages[key] = -(-(request.num_prompt_tokens or 0) // self._tokens_per_page) + 1
         async with contextlib.aclosing(stream):  # closing it aborts the request and frees its pages
             try:
                 first = await anext(stream)
             except ValueError as exc:
-                yield {"invalid": str(exc)}
+                yield InvalidRequest(str(exc))
                 return
             finally:
                 self._pending_pages.pop(key, None)
@@ -147,30 +137,29 @@ class EngineReplica:
                 yield self._item(first, first=True)
                 finished = first.finished
                 if not finished:
-                    merge = lambda outs: merge_items([self._item(o) for o in outs])  # noqa: E731
+                    merge = lambda outs: StreamItem.merge([self._item(o) for o in outs])  # noqa: E731
                     async with contextlib.aclosing(coalesced(stream, merge)) as items:
                         async for item in items:
                             yield item
-                            finished = "finish_reason" in item
+                            finished = item.is_final
             finally:
                 if not finished:
                     self.num_aborted += 1
 
-    def _item(self, out, first: bool = False) -> dict:
-        c = out.outputs[0]
-        item = {"text": c.delta_text, "token_ids": c.delta_token_ids}
-        m = out.metrics
+    def _item(self, out, first: bool = False) -> StreamItem:
+        c, m = out.outputs[0], out.metrics
+        engine_ttft_s = None
+        if (first or out.finished) and m is not None and m.first_token_time is not None:
+            engine_ttft_s = m.first_token_time - m.arrival_time
+        item = StreamItem(c.delta_text, tuple(c.delta_token_ids), engine_ttft_s=engine_ttft_s)
         if first:
-            item["replica_id"] = self.replica_id
-            item["num_prompt_tokens"] = len(out.prompt_token_ids)
-            if m is not None and m.first_token_time is not None:
-                item["engine_ttft_s"] = m.first_token_time - m.arrival_time
+            item = dataclasses.replace(item, replica_id=self.replica_id, num_prompt_tokens=len(out.prompt_token_ids))
         if out.finished:
-            item.update(finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                        num_output_tokens=len(c.token_ids), error=out.error)
-            if m is not None and m.first_token_time is not None:  # as the engine saw it, for overhead studies
-                item["engine_ttft_s"] = m.first_token_time - m.arrival_time
-                item["engine_e2e_s"] = (m.finish_time or m.last_token_time) - m.arrival_time
+            e2e = None
+            if engine_ttft_s is not None:  # as the engine saw it, for overhead studies
+                e2e = (m.finish_time or m.last_token_time) - m.arrival_time
+            item = dataclasses.replace(item, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                       num_output_tokens=len(c.token_ids), error=out.error, engine_e2e_s=e2e)
         return item
 
     # Control --------------------------------------------------------------------------------------
@@ -188,21 +177,27 @@ class EngineReplica:
         """Serve calls this periodically; raising marks the replica unhealthy and replaces it."""
         self.engine.check_health()
 
-    def load(self) -> dict:
-        return {**self.engine.load(), "time": time.time(), "replica_id": self.replica_id,
-                "actor_name": self.actor_name, "model": self.model, "max_model_len": self.engine.max_model_len,
-                "max_num_seqs": self.engine.config.max_num_seqs, "seed": self.engine.config.seed,
-                "num_requests": self.num_requests,
-                "num_aborted": self.num_aborted, "num_pending_pages": sum(self._pending_pages.values())}
+    def load(self) -> LoadReport:
+        engine = self.engine.load()  # the engine's snapshot (a dict: cache and queue state)
+        return LoadReport(
+            replica_id=self.replica_id, actor_name=self.actor_name, model=self.model, time=time.time(),
+            num_pages=engine["num_pages"], num_free_pages=engine["num_free_pages"],
+            num_pending_pages=sum(self._pending_pages.values()), tokens_per_kv_page=engine["tokens_per_page"]["kv"],
+            hidden_allowed=engine["hidden_allowed"], cache_ratio=engine["cache_ratio"],
+            num_running=engine["num_running"], num_waiting=engine["num_waiting"],
+            max_num_seqs=self.engine.config.max_num_seqs, max_model_len=self.engine.max_model_len,
+            step_time_ms=engine["step_time_ms"], seed=self.engine.config.seed,
+            num_requests=self.num_requests, num_aborted=self.num_aborted)
 
     def record_routing_stats(self) -> dict:
-        return self.load()
+        """Serve requires a dict here; ``FitAwareRequestRouter`` reads it back as a ``LoadReport``."""
+        return self.load().to_dict()
 
     # Observability --------------------------------------------------------------------------------
     def memory_timeline(self, format: str = "png", replica_id: str | None = None) -> bytes | dict:
         """This replica's cache-memory timeline: a PNG, or ``format="json"`` for the recorded series.
         (``replica_id`` pins the call to this replica; see ``FitAwareRequestRouter``.)"""
-        timeline = {**self.engine.memory_timeline(), **self._watermarks}
+        timeline = self.engine.memory_timeline()
         if format == "json":
             return {"replica_id": self.replica_id, **timeline}
         buf = io.BytesIO()
@@ -222,10 +217,10 @@ class EngineReplica:
     async def _report_loop(self) -> None:
         while True:
             try:
-                knobs = await asyncio.wait_for(self._controller.report.remote(self.load()),
-                                               timeout=max(2.0, 4 * self._report_interval_s))
-                if knobs["cache_ratio"] != self._applied_ratio:
-                    self.set_cache_ratio(knobs["cache_ratio"])
+                knobs: Knobs = await asyncio.wait_for(self._controller.report.remote(self.load()),
+                                                      timeout=max(2.0, 4 * self._report_interval_s))
+                if knobs.cache_ratio != self._applied_ratio:
+                    self.set_cache_ratio(knobs.cache_ratio)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the controller may be restarting; keep serving

@@ -103,14 +103,19 @@ class _SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_kwargs(self, default_max_tokens: int | None) -> dict:
-        """Keyword arguments for ``SamplingParams`` (which validates ranges and names the field)."""
+    def sampling_kwargs(self, default_max_tokens: int | None, defaults: dict | None = None) -> dict:
+        """Keyword arguments for ``SamplingParams`` (which validates ranges and names the field).
+        ``defaults``: the model's values for the sampling fields the request leaves out (its generation
+        config); a field in neither keeps ``SamplingParams``' default."""
         kwargs = {"max_tokens": self.max_tokens if self.max_tokens is not None else default_max_tokens,
                   "min_tokens": self.min_tokens, "seed": self.seed, "stop": self.stop,
                   "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos}
         for name in ("temperature", "top_p", "top_k"):
-            if getattr(self, name) is not None:
-                kwargs[name] = getattr(self, name)
+            value = getattr(self, name)
+            if value is None and defaults:
+                value = defaults.get(name)
+            if value is not None:
+                kwargs[name] = value
         return kwargs
 
     def scheduling_kwargs(self) -> dict:

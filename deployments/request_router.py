@@ -1,10 +1,11 @@
 """FitAwareRequestRouter: Serve's request router for the engine replicas, choosing where a request fits.
 
-For each ``generate`` call it estimates the pages the request will hold (its prompt plus up to
-``output_horizon_tokens`` of output, in KV pages: the most it can need) and each replica's free pages:
-the replica's last ``record_routing_stats`` snapshot (free pages, less the prompt pages of requests
-it has received but not yet prefilled) minus what this router has sent there since that snapshot
-was taken (Serve refreshes stats only every ``request_routing_stats_period_s``)::
+For each ``generate`` call (an ``EngineRequest``) it estimates the pages the request will hold (its
+prompt plus up to ``output_horizon_tokens`` of output, in KV pages: the most it can need) and each
+replica's free pages: the replica's last ``record_routing_stats`` snapshot (a ``LoadReport``: free
+pages, less the prompt pages of requests it has received but not yet prefilled) minus what this
+router has sent there since that snapshot was taken (Serve refreshes stats only every
+``request_routing_stats_period_s``)::
 
     est_free = stats.num_free_pages - stats.num_pending_pages
                - sum(pages of requests routed here after stats.time - IN_TRANSIT_S)
@@ -30,17 +31,21 @@ from typing import List, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from deployments.wire import EngineRequest, LoadReport
+
 IN_TRANSIT_S = 0.05  # a request routed this long before a snapshot may not have reached the replica yet
+OUTPUT_HORIZON_TOKENS = 256  # default: output tokens a request is assumed to reach (max_tokens caps it)
 
 
-def request_pages(request: dict, tokens_per_page: int, horizon: int) -> int:
+def request_pages(request: EngineRequest, tokens_per_page: int, horizon: int) -> int:
     """Pages a request will hold with a KV cache: prompt plus (capped) output."""
-    num_output = request.get("max_tokens") or horizon
-    return math.ceil((request["num_prompt_tokens"] + min(num_output, horizon)) / tokens_per_page)
+    num_output = request.max_tokens or horizon
+    return math.ceil((request.num_prompt_tokens + min(num_output, horizon)) / tokens_per_page)
 
 
 class FitAwareRequestRouter(RequestRouter):
-    def initialize_state(self, output_horizon_tokens: int = 256, default_tokens_per_page: int = 16) -> None:
+    def initialize_state(self, output_horizon_tokens: int = OUTPUT_HORIZON_TOKENS,
+                         default_tokens_per_page: int = 16) -> None:
         self.horizon = output_horizon_tokens
         self.default_tokens_per_page = default_tokens_per_page
         self.routed: dict[ReplicaID, dict[str, tuple[float, int]]] = {}  # replica -> {request: (at, pages)}
@@ -60,19 +65,18 @@ class FitAwareRequestRouter(RequestRouter):
         self._record(pending_request, ranked[0].replica_id, request)
         return [[r] for r in ranked]
 
-    def rank_key(self, replica: RunningReplica, request: dict) -> tuple:
-        stats = replica.routing_stats or {}
+    def rank_key(self, replica: RunningReplica, request: EngineRequest) -> tuple:
+        stats = _load_report(replica)
         queue_len = self.replica_queue_len_cache.get(replica.replica_id)
-        if "num_free_pages" not in stats:  # no snapshot yet (a new replica): neither preferred nor avoided
+        if stats is None:  # no snapshot yet (a new replica): neither preferred nor avoided
             return (0, 0.5, queue_len or 0, random.random())
-        tokens_per_page = stats.get("tokens_per_page", {}).get("kv", self.default_tokens_per_page)
-        need = request_pages(request, tokens_per_page, self.horizon)
-        since = self._routed_since(replica.replica_id, stats["time"] - IN_TRANSIT_S)
-        free = stats["num_free_pages"] - stats.get("num_pending_pages", 0) - sum(since)
+        need = request_pages(request, stats.tokens_per_kv_page, self.horizon)
+        since = self._routed_since(replica.replica_id, stats.time - IN_TRANSIT_S)
+        free = stats.num_free_pages - stats.num_pending_pages - sum(since)
         if need > free:
             return (1, -free, queue_len or 0, random.random())
-        num_seqs = stats["num_running"] + stats["num_waiting"] + len(since)
-        load_after = max(1 - (free - need) / stats["num_pages"], (num_seqs + 1) / stats.get("max_num_seqs", 64))
+        num_seqs = stats.num_running + stats.num_waiting + len(since)
+        load_after = max(1 - (free - need) / stats.num_pages, (num_seqs + 1) / stats.max_num_seqs)
         return (0, round(load_after, 3), queue_len or 0, random.random())
 
     def _routed_since(self, replica_id: ReplicaID, covered: float) -> list[int]:
@@ -81,15 +85,15 @@ class FitAwareRequestRouter(RequestRouter):
         self.routed[replica_id] = entries
         return [pages for _, pages in entries.values()]
 
-    def _record(self, pending_request: PendingRequest, replica_id: ReplicaID, request: dict) -> None:
+    def _record(self, pending_request: PendingRequest, replica_id: ReplicaID, request: EngineRequest) -> None:
         key = pending_request.metadata.internal_request_id
         entry = None
         for entries in self.routed.values():
             entry = entries.pop(key, None) or entry
         if entry is None:
             replica = self.curr_replicas.get(replica_id)
-            stats = (replica.routing_stats or {}) if replica is not None else {}
-            tokens_per_page = stats.get("tokens_per_page", {}).get("kv", self.default_tokens_per_page)
+            stats = _load_report(replica) if replica is not None else None
+            tokens_per_page = stats.tokens_per_kv_page if stats is not None else self.default_tokens_per_page
             entry = (time.time(), request_pages(request, tokens_per_page, self.horizon))
         self.routed.setdefault(replica_id, {})[key] = entry
 
@@ -103,8 +107,14 @@ class FitAwareRequestRouter(RequestRouter):
         super().on_replica_actor_died(replica_id)
 
 
-def _generate_request(pending_request: Optional[PendingRequest]) -> dict | None:
+def _generate_request(pending_request: Optional[PendingRequest]) -> EngineRequest | None:
+    """The request of a ``generate`` call whose size is known (a tokenised prompt), else None."""
     if pending_request is None or pending_request.metadata.call_method != "generate" or not pending_request.args:
         return None
     request = pending_request.args[0]
-    return request if isinstance(request, dict) and "num_prompt_tokens" in request else None
+    return request if isinstance(request, EngineRequest) and request.num_prompt_tokens is not None else None
+
+
+def _load_report(replica: RunningReplica) -> LoadReport | None:
+    """The replica's last snapshot (Serve keeps it as the dict ``record_routing_stats`` returned)."""
+    return LoadReport.from_dict(replica.routing_stats) if replica.routing_stats else None

@@ -5,7 +5,8 @@ so a stream of one item per token falls further and further behind the engine (m
 tokens took 12 s to arrive through two hops while the engine made them in 2 s). ``coalesced``
 reads its source in a task and yields, each time the consumer asks, everything that arrived since
 the last item, merged into one: one token per item while the consumer keeps up, a few per item when
-it does not, so a client is never more than about one transport delay behind the engine.
+it does not, so a client is never more than about one transport delay behind the engine. (Token
+streams merge with ``deployments.wire.StreamItem.merge``.)
 """
 
 from __future__ import annotations
@@ -55,13 +56,3 @@ async def coalesced(source: AsyncIterator[T], merge: Callable[[list[T]], T]) -> 
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
 
-
-def merge_items(items: list[dict]) -> dict:
-    """Merge engine stream items (see ``engine_replica``): texts and token ids concatenate; the
-    first item's and the last item's extra keys (replica, prompt size; finish fields) are kept."""
-    if len(items) == 1:
-        return items[0]
-    merged = {**items[0], **items[-1]}
-    merged["text"] = "".join(item["text"] for item in items)
-    merged["token_ids"] = [t for item in items for t in item["token_ids"]]
-    return merged

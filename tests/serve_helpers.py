@@ -14,3 +14,14 @@ def wait_until(check, what: str, timeout: float = 30.0, interval: float = 0.1):
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting until {what}")
+
+
+def load_report(**fields):
+    """A replica's ``LoadReport`` with plausible values for the fields a test does not care about."""
+    from deployments.wire import LoadReport
+
+    defaults = dict(replica_id="r", actor_name="SERVE_REPLICA::r", model="m", time=time.time(), num_pages=128,
+                    num_free_pages=128, num_pending_pages=0, tokens_per_kv_page=16, hidden_allowed=True,
+                    cache_ratio=0.0, num_running=0, num_waiting=0, max_num_seqs=16, max_model_len=2048,
+                    step_time_ms=0.0, seed=0, num_requests=0, num_aborted=0)
+    return LoadReport(**{**defaults, **fields})

@@ -155,7 +155,7 @@ def _generate(path, backend, fused=True, dtype="float32", **kw):
               enable_watermarks=False, max_num_batched_tokens=48, calibrate_rho=False, **kw)
     outs = llm.generate(_prompts(6, seed=11), PARAMS)
     stats = llm.cache_stats()
-    assert stats["num_free_pages"] == stats["num_pages"]
+    assert stats.num_free_pages == stats.num_pages
     return outs
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from apt_serve_ray import LLM
@@ -45,8 +47,9 @@ def test_replay_finishes_every_request_with_complete_timelines(llm):
     assert summary["total_output_tokens"] == sum(tr.output_len for tr in trace)
     # Memory bound: the pool filled up, and the timeline and per-iteration scheduler time were kept.
     assert result.peak_pages["total"] <= 40 and result.peak_pages["total"] >= 30
-    assert len(result.memory) == len(result.step_s) == len(result.schedule_s) > 0
-    assert all(0.0 <= m.usage <= 1.0 for m in result.memory)
+    memory = result.memory["series"]  # a CacheTracker sample after every step
+    assert len(memory["t"]) == len(result.step_s) == len(result.schedule_s) > 0
+    assert all(0.0 <= u <= 1.0 for u in memory["usage"]) and max(memory["kv"]) == result.peak_pages["kv"]
     assert summary["mean_schedule_ms"] > 0
     reset(llm)  # idle, every page free: the engine can serve the next run
 
@@ -67,10 +70,10 @@ def test_sweep_metrics_and_plots(llm, tmp_path):
     paths = [
         plots.plot_attainment({"apt": points}, tmp_path / "att.png"),
         plots.plot_latency_cdfs(runs, tmp_path / "cdf.png", ttft_slo_ms=100.0, tbt_slo_ms=50.0),
-        plots.plot_memory_timeline(result.memory_dict(), result.num_pages, tmp_path / "mem.png"),
+        result.plot_memory_timeline(tmp_path / "mem.png"),
     ]
     for p in paths:
-        data = p.read_bytes()
+        data = Path(p).read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 2_000
 
 
@@ -96,4 +99,4 @@ def test_replay_simulated_gives_the_same_result_shape_without_a_model():
     assert [t.request_id for t in result.timelines] == [tr.request_id for tr in trace]
     assert all(t.is_finished and t.num_output_tokens == tr.output_len for t, tr in zip(result.timelines, trace))
     assert result.num_unfinished == 0 and result.peak_pages["total"] <= 30 and result.num_preemptions > 0
-    assert len(result.memory) == len(result.step_s) and result.summary()["completed"] == len(trace)
+    assert len(result.memory["series"]["t"]) == len(result.step_s) and result.summary()["completed"] == len(trace)

@@ -52,7 +52,7 @@ def test_cache_ratios_give_identical_outputs_on_mha_models(checkpoint, shape):
 @pytest.mark.slow
 def test_forced_hidden_smollm2_matches_kv(smollm2):
     engine = smollm2.llm_engine
-    assert not engine.cache_stats()["hidden_supported"]
+    assert not engine.cache_stats().hidden_supported
     ids = smollm2.get_tokenizer().encode("The three primary colours are red, yellow and")
     kv = engine.prompt_logits(ids, CacheKind.KV)
     engine.hidden_allowed = True  # what force_hidden=True does at construction; avoids a second 25 s load
@@ -124,7 +124,7 @@ def test_in_place_upgrade_mid_generation_continues_identically(checkpoint, shape
     upgraded = llm.generate(prompts, PARAMS)
     assert all(o.metrics.num_upgrades == 1 and o.metrics.cache_kind == "kv" for o in upgraded)
     _assert_same(never, upgraded)
-    assert llm.cache_stats()["num_free_pages"] == llm.cache_stats()["num_pages"]
+    assert llm.cache_stats().num_free_pages == llm.cache_stats().num_pages
 
 
 def test_all_hidden_admits_twice_the_tokens_of_all_kv(opt_tiny, checkpoint):
@@ -136,15 +136,16 @@ def test_all_hidden_admits_twice_the_tokens_of_all_kv(opt_tiny, checkpoint):
             engine.add_request(p, SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True))
         engine.step()  # one prefill step admits whatever fits in the pool
         stats = llm.cache_stats()
-        return sum(stats["tokens"].values()), stats
+        return stats.num_kv_tokens + stats.num_hidden_tokens, stats
 
     kv_tokens, kv_stats = fill(0.0)
     hidden_tokens, hidden_stats = fill(1.0)
-    assert kv_stats["pages"]["hidden"] == 0 and hidden_stats["pages"]["kv"] == 0
-    assert hidden_stats["hidden_supported"] and hidden_stats["tokens_per_page"] == {"kv": 16, "hidden": 32}
+    assert kv_stats.num_hidden_pages == 0 and hidden_stats.num_kv_pages == 0
+    assert hidden_stats.hidden_supported
+    assert (hidden_stats.kv_tokens_per_page, hidden_stats.hidden_tokens_per_page) == (16, 32)
     assert hidden_tokens >= 1.9 * kv_tokens, (hidden_tokens, kv_tokens)
     gqa_tokens, gqa = fill(0.0, checkpoint("llama-tiny-gqa"))
-    assert gqa["hidden_supported"] is False and gqa["bytes_per_token"]["hidden"] > gqa["bytes_per_token"]["kv"] * 0.5
+    assert gqa.hidden_supported is False and gqa.hidden_bytes_per_token > gqa.kv_bytes_per_token * 0.5
 
 
 def test_gqa_model_never_uses_hidden_unless_forced(checkpoint):
@@ -152,7 +153,7 @@ def test_gqa_model_never_uses_hidden_unless_forced(checkpoint):
     llm = LLM(path, dtype="float32", num_pages=100, cache_ratio=1.0)
     out = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=3))
     stats = llm.cache_stats()
-    assert stats["hidden_supported"] is False and stats["cache_ratio"] == 0.0
+    assert stats.hidden_supported is False and stats.cache_ratio == 0.0
     assert out[0].metrics.cache_kind == "kv"
     forced = LLM(path, dtype="float32", num_pages=100, cache_ratio=1.0, force_hidden=True)
     assert forced.generate(["hello"], SamplingParams(temperature=0, max_tokens=3))[0].metrics.cache_kind == "hidden"
@@ -168,16 +169,16 @@ def test_hybrid_cache_switched_off_uses_kv_pages_only(opt_tiny, policy):
     llm = LLM(opt_tiny, dtype="float32", num_pages=12, cache_ratio=1.0, enable_hybrid_cache=False, policy=policy,
               calibrate_rho=False, max_num_batched_tokens=64)
     engine = llm.llm_engine
-    assert engine.hidden_allowed is False and llm.cache_stats()["cache_ratio"] == 0.0
+    assert engine.hidden_allowed is False and llm.cache_stats().cache_ratio == 0.0
     kinds = set()
     for prompt in _prompts(6, seed=3, lo=20, hi=60):
         engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
-        kinds.add(llm.cache_stats()["pages"]["hidden"])
+        kinds.add(llm.cache_stats().num_hidden_pages)
     assert kinds == {0}
     stats = llm.cache_stats()
-    assert stats["num_free_pages"] == stats["num_pages"]
+    assert stats.num_free_pages == stats.num_pages
 
 
 def test_pool_integrity_after_mixed_workload_with_aborts(opt_tiny):
@@ -196,17 +197,16 @@ def test_pool_integrity_after_mixed_workload_with_aborts(opt_tiny):
     while engine.has_unfinished_requests():
         engine.step()
     stats = llm.cache_stats()
-    assert stats["num_free_pages"] == stats["num_pages"] and stats["pages"] == {"kv": 0, "hidden": 0}
+    assert stats.num_free_pages == stats.num_pages and stats.num_kv_pages == stats.num_hidden_pages == 0
 
 
 def test_cache_stats_and_runtime_ratio(opt_tiny):
     llm = HybridCacheLLM(opt_tiny, dtype="float32", num_pages=50, cache_ratio=0.3)
     s = llm.cache_stats()
-    assert s["cache_ratio"] == 0.3 and s["hidden_supported"]
-    assert s["bytes_per_token"]["hidden"] * 2 == s["bytes_per_token"]["kv"]
+    assert s.cache_ratio == 0.3 and s.hidden_supported
+    assert s.hidden_bytes_per_token * 2 == s.kv_bytes_per_token
     llm.adjust_cache_ratio(0.8)
-    assert llm.cache_stats()["cache_ratio"] == 0.8
+    assert llm.cache_stats().cache_ratio == 0.8
     with pytest.raises(ValueError, match="cache_ratio"):
         llm.adjust_cache_ratio(-0.1)
-    for key in ("num_pages", "num_free_pages", "pages", "tokens", "hidden_share"):
-        assert key in s
+    assert (s.num_pages, s.num_free_pages, s.num_kv_pages, s.num_hidden_pages, s.hidden_share) == (50, 50, 0, 0, 0.0)

@@ -3,13 +3,7 @@
 import numpy as np
 import pytest
 
-from apt_serve_ray.scheduler.knapsack import (
-    Selection,
-    brute_force_select,
-    compute_values,
-    greedy_select,
-    urgency,
-)
+from apt_serve_ray.scheduler.knapsack import Selection, brute_force_select, greedy_select
 
 
 def _random_instance(rng: np.random.Generator):
@@ -136,40 +130,6 @@ def test_empty_input():
     assert sel.chosen.shape == (0,) and sel.value == 0.0 and sel.pages == 0
 
 
-def test_compute_values_weights_and_defaults():
-    pending = np.array([1.0, 2.0])
-    urg = np.array([0.5, 1.0])
-    imp = np.array([3.0, 0.0])
-    pages = np.array([4, 8])
-    assert compute_values(pending, urg, imp, pages).tolist() == [1.0, 2.0]
-    got = compute_values(pending, urg, imp, pages, time_weight=2.0, slo_weight=4.0,
-                         priority_weight=1.0)
-    assert got.tolist() == [2.0 + 2.0 + 3.0, 4.0 + 4.0]
-
-
-def test_urgency_rises_towards_deadline():
-    got = urgency(100.0, np.array([200.0, 104.0, 101.0, 100.0, 90.0]), 4.0)
-    assert got.tolist() == [0.0, 0.0, 0.75, 1.0, 1.0]
-
-
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(time_weight=-1.0), "time_weight"),
-    (dict(slo_weight=-0.1), "slo_weight"),
-    (dict(priority_weight=-2.0), "priority_weight"),
-    (dict(memory_weight=-1.0), "memory_weight"),
-    (dict(urgency=[0.0]), "urgency"),
-    (dict(importance=[0.0, 1.0, 2.0]), "importance"),
-    (dict(pages=[1]), "pages"),
-    (dict(pending_s=[-1.0, 0.0]), "pending_s"),
-])
-def test_compute_values_errors_name_the_field(kwargs, field):
-    args = dict(pending_s=[1.0, 2.0], urgency=[0.0, 0.0], importance=[0.0, 0.0], pages=[1, 2])
-    args.update(kwargs)
-    pending, urg, imp, pages = (args.pop(k) for k in ("pending_s", "urgency", "importance", "pages"))
-    with pytest.raises(ValueError, match=field):
-        compute_values(pending, urg, imp, pages, **args)
-
-
 @pytest.mark.parametrize("override, field", [
     (dict(capacity=-1), "capacity"),
     (dict(capacity=2.5), "capacity"),
@@ -188,11 +148,6 @@ def test_greedy_errors_name_the_field(override, field):
     args.update(override)
     with pytest.raises(ValueError, match=field):
         greedy_select(**args)
-
-
-def test_urgency_rejects_nonpositive_slack():
-    with pytest.raises(ValueError, match="slack_s"):
-        urgency(0.0, [1.0], 0.0)
 
 
 def test_first_misfit_upgrade_alone_can_win_as_kv():

@@ -11,12 +11,11 @@ from __future__ import annotations
 import json
 import pathlib
 import re
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from serve_helpers import wait_until
+from serve_helpers import load_report, wait_until
 
 APP = "apt-obs"
 PREFIX = "/obs"
@@ -35,7 +34,7 @@ def app(serve_url, opt_tiny):
         "control_interval_s": 0.1, "routing_stats_period_s": 0.5, "health_check_period_s": 1,
         "mirror_metrics": True, "tracing_exporter": "memory",
     }), name=APP, route_prefix=PREFIX)
-    wait_until(lambda: len(call("Controller", "get_state")["replicas"]) == 1, "the engine replica reports")
+    wait_until(lambda: len(call("Controller", "get_state").replicas) == 1, "the engine replica reports")
     yield opt_tiny
     serve.delete(APP)
 
@@ -131,11 +130,11 @@ def test_controller_counts_its_actions():
 
     controller = Controller.func_or_class.__new__(Controller.func_or_class)
     controller.watermarks = Watermarks(0.5, 0.8, 0.5, 0.25)
-    controller.stale_after_s, controller.usage, controller.decisions = 60.0, 0.0, []
+    controller.stale_after_s, controller.usage, controller.decisions, controller.last_heard = 60.0, 0.0, [], {}
     controller._backend = make_backend({"model": "m"}, mirror=True)
     controller.metrics = ControllerMetrics(controller._backend)
     for used in (90, 10):
-        controller.replicas = {"r": {"num_pages": 100, "num_free_pages": 100 - used, "received": time.monotonic()}}
+        controller.replicas = {"r": load_report(num_pages=100, num_free_pages=100 - used)}
         controller.step()
     actions = {s["tags"]["action"]: s["value"] for s in snapshot(controller._backend)["apt_serve_controller_actions_total"]}
     assert actions == {"raise_hidden_target": 1, "close_admission": 1, "lower_hidden_target": 1, "open_admission": 1}
@@ -163,7 +162,7 @@ def test_one_trace_per_request_across_the_handle_call(scripted_run):
 @pytest.mark.ray
 @pytest.mark.timeout(300)
 def test_memory_timeline_over_http(client, scripted_run):
-    replica = next(iter(call("Controller", "get_state")["replicas"]))
+    replica = next(iter(call("Controller", "get_state").replicas))
     png = client.get("/v1/debug/memory_timeline", params={"replica": replica})
     assert png.status_code == 200 and png.headers["content-type"] == "image/png"
     assert png.content[:8] == b"\x89PNG\r\n\x1a\n" and len(png.content) > 5_000

@@ -7,6 +7,7 @@ import pytest
 from apt_serve_ray import EngineConfig
 from apt_serve_ray.bench.simulator import GQA_LAYOUT, MHA_LAYOUT, CostModel, SimulatedEngine
 from apt_serve_ray.request import CacheKind, RequestStatus
+from apt_serve_ray.scheduler.costs import StepCosts
 from apt_serve_ray.scheduler.policies.apt import AdaptiveScheduler
 from apt_serve_ray.scheduler.registry import make_policy, policy_names
 from apt_serve_ray.scheduler.watermarks import Watermarks
@@ -72,7 +73,7 @@ def test_priority_policy_orders_by_priority_then_arrival_and_preempts_lowest():
 
 def test_apt_prefers_the_request_whose_slo_is_still_reachable():
     sim = _engine("apt", num_pages=8, max_num_batched_tokens=4096)
-    sim.scheduler.policy.rho = 10.0  # hidden pages too costly here: only one request fits in KV
+    sim.scheduler.policy.set_costs(StepCosts(rho=10.0))  # hidden pages too costly: only one request fits in KV
     hopeless = sim.add(100, 10, ttft_slo_ms=1000)  # 7 pages with its first token
     sim.now += 5.0  # it is now 4 s past its TTFT target
     reachable = sim.add(100, 10, ttft_slo_ms=10_000)
@@ -87,7 +88,7 @@ def test_apt_prefers_the_request_whose_slo_is_still_reachable():
 def test_apt_uses_hidden_pages_under_pressure_on_mha_only():
     for layout, expect_hidden in ((MHA_LAYOUT, True), (GQA_LAYOUT, False)):
         sim = _engine("apt", num_pages=30, layout=layout, max_num_batched_tokens=4096)
-        sim.scheduler.policy.rho = 1e-6  # cheap recompute: hidden is worth it when memory binds
+        sim.scheduler.policy.set_costs(StepCosts(rho=1e-6))  # cheap recompute: hidden pays when memory binds
         for _ in range(12):
             sim.add(60, 30)
         sim.now += 1.0
@@ -102,7 +103,7 @@ def test_apt_uses_hidden_pages_under_pressure_on_mha_only():
 
 def test_apt_expensive_recompute_keeps_kv():
     sim = _engine("apt", num_pages=30, max_num_batched_tokens=4096)
-    sim.scheduler.policy.rho = 10.0  # a page of recompute costs more than any wait: never hidden
+    sim.scheduler.policy.set_costs(StepCosts(rho=10.0))  # a page of recompute costs more than any wait
     for _ in range(12):
         sim.add(60, 30)
     sim.now += 1.0
@@ -217,7 +218,7 @@ def test_apt_sizes_prefill_chunks_to_keep_steps_under_the_tbt_target():
 
 def test_apt_keeps_running_requests_instead_of_evicting_them_for_waiting_ones():
     sim = _engine("apt", num_pages=40, max_num_batched_tokens=4096)
-    sim.scheduler.policy.rho = 10.0
+    sim.scheduler.policy.set_costs(StepCosts(rho=10.0))
     for _ in range(4):
         sim.add(140, 100)  # 4 x 9-10 pages, growing
     sim.step()
@@ -271,7 +272,8 @@ def test_hidden_pays_for_throughput_compares_the_fixed_step_cost_with_the_recomp
     config = EngineConfig(policy="apt", calibrate_rho=False, enable_watermarks=False)
     gpu_like = AdaptiveScheduler(config=config, rho=16 * 1e-7, step_model=CostModel(base_s=0.02))
     cpu_like = AdaptiveScheduler(config=config, rho=16 * 2e-6, step_model=CostModel(base_s=0.004))
-    # a > r K / (1 - h): 0.02 > 1e-7 x 6048 / 0.5 = 1.2 ms; 0.004 < 2e-6 x 6048 / 0.5 = 24 ms
-    assert gpu_like.hidden_pays_for_throughput(6048, 0.5)
-    assert not cpu_like.hidden_pays_for_throughput(6048, 0.5)
-    assert AdaptiveScheduler(config=config, rho=0.0).hidden_pays_for_throughput(6048, 0.5)  # no cost known
+    # a > r K / (1 - h), K = 378 pages of 16 tokens: 0.02 > 1e-7 x 6048 / 0.5 = 1.2 ms;
+    # 0.004 < 2e-6 x 6048 / 0.5 = 24 ms
+    assert gpu_like.hidden_pays_for_throughput(378, 0.5)
+    assert not cpu_like.hidden_pays_for_throughput(378, 0.5)
+    assert AdaptiveScheduler(config=config, rho=0.0).hidden_pays_for_throughput(378, 0.5)  # no cost known

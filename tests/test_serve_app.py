@@ -1,5 +1,6 @@
 """The Ray Serve app end to end: two engine replicas of a tiny MHA model behind the router and the
 controller, driven over HTTP (httpx and the official ``openai`` client) and through Python handles.
+The model's generation config says ``temperature: 0``: requests that name no temperature are greedy.
 
 One app for the module (its start dominates the cost); the tests that disturb it (memory pressure,
 killing a replica) run last and wait for it to settle.
@@ -8,6 +9,7 @@ killing a replica) run last and wait for it to settle.
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,18 +26,28 @@ MAX_MODEL_LEN = 2048
 
 
 @pytest.fixture(scope="module")
-def app(serve_url, opt_tiny):
+def greedy_opt_tiny(opt_tiny, tmp_path_factory) -> str:
+    """opt-tiny whose generation_config.json sets a default temperature of 0 (greedy)."""
+    path = tmp_path_factory.mktemp("greedy") / "opt-tiny"
+    shutil.copytree(opt_tiny, path)
+    config = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**config, "temperature": 0.0}))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def app(serve_url, greedy_opt_tiny):
     from ray import serve
 
     from deployments.app import build_app
 
     serve.run(build_app({
-        "model": opt_tiny, "num_replicas": 2, "num_pages": NUM_PAGES, "num_threads": 1, "max_num_seqs": 16,
+        "model": greedy_opt_tiny, "num_replicas": 2, "num_pages": NUM_PAGES, "num_threads": 1, "max_num_seqs": 16,
         "num_cpus_per_replica": 0.5, "light_watermark": 0.6, "heavy_watermark": 0.85, "max_hidden_ratio": 0.5,
         "control_interval_s": 0.1, "retry_after_s": 1, "routing_stats_period_s": 0.5, "health_check_period_s": 1,
     }), name=APP, route_prefix="/")
-    wait_until(lambda: len(controller_state()["replicas"]) == 2, "both engine replicas report")
-    yield opt_tiny
+    wait_until(lambda: len(controller_state().replicas) == 2, "both engine replicas report")
+    yield greedy_opt_tiny
     serve.delete(APP)
 
 
@@ -46,19 +58,21 @@ def client(app, serve_url):
 
 
 # Helpers ----------------------------------------------------------------------------------------
-def controller_state() -> dict:
+def controller_state():
+    """The controller's ``ControllerState``."""
     from ray import serve
 
     return serve.get_deployment_handle("Controller", APP).get_state.remote().result()
 
 
 def replicas() -> dict:
-    return controller_state()["replicas"]
+    """Replica id -> its last ``LoadReport``."""
+    return controller_state().replicas
 
 
 def all_pages_free() -> bool:
     loads = replicas().values()
-    return len(loads) == 2 and all(r["num_free_pages"] == r["num_pages"] and r["num_running"] == 0 for r in loads)
+    return len(loads) == 2 and all(r.num_free_pages == r.num_pages and r.num_running == 0 for r in loads)
 
 
 def sse_payloads(response: httpx.Response) -> list:
@@ -86,7 +100,7 @@ def completion(client, model, **fields) -> httpx.Response:
 
 # The API ----------------------------------------------------------------------------------------
 def test_each_engine_replica_has_its_own_sampling_seed(app):
-    seeds = [load["seed"] for load in replicas().values()]
+    seeds = [load.seed for load in replicas().values()]
     assert len(seeds) == 2 and seeds[0] != seeds[1]
 
 
@@ -123,6 +137,17 @@ def test_streaming_matches_non_streaming_and_reports_usage(client, app):
     assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == full["choices"][0]["text"]
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
     assert all(c["usage"] is None for c in chunks[:-1])
+
+
+def test_sampling_fields_a_request_leaves_out_come_from_the_models_generation_config(client, app):
+    greedy = completion(client, app, max_tokens=12, temperature=0, ignore_eos=True).json()["choices"][0]["text"]
+    unset = [completion(client, app, max_tokens=12, ignore_eos=True, seed=i).json()["choices"][0]["text"]
+             for i in range(3)]
+    assert unset == [greedy] * 3
+    # A temperature the request names wins (near-uniform logits of a random model: never the greedy text).
+    sampled = [completion(client, app, max_tokens=12, ignore_eos=True, temperature=1.0, seed=i).json()
+               for i in range(3)]
+    assert all(s["choices"][0]["text"] != greedy for s in sampled), sampled
 
 
 def test_stop_string_and_token_id_prompt(client, app):
@@ -296,18 +321,18 @@ def test_routing_prefers_the_replica_where_the_request_fits(client, app, serve_u
 
 def test_disconnect_aborts_the_request_and_frees_its_pages(client, app, serve_url):
     wait_until(all_pages_free, "every page is free")
-    aborted_before = sum(r["num_aborted"] for r in replicas().values())
+    aborted_before = sum(r.num_aborted for r in replicas().values())
     with httpx.Client(base_url=serve_url, timeout=60) as c, c.stream("POST", "/v1/completions", json={
             "model": app, "prompt": [11] * 300, "max_tokens": 1700, "ignore_eos": True, "stream": True}) as r:
         lines = r.iter_lines()
         for _ in range(5):
             next(lines)
         replica = r.headers["x-replica-id"]
-        wait_until(lambda: replicas()[replica]["num_free_pages"] < NUM_PAGES, "the request holds pages")
+        wait_until(lambda: replicas()[replica].num_free_pages < NUM_PAGES, "the request holds pages")
         # The open stream holds its admission slot at the router (one router here: /health is its view).
         assert client.get("/health").json()["requests_in_flight"] == 1
     # Closing the connection mid-stream: the engine aborts the request and its pages come back.
-    wait_until(lambda: sum(r["num_aborted"] for r in replicas().values()) > aborted_before, "the request is aborted",
+    wait_until(lambda: sum(r.num_aborted for r in replicas().values()) > aborted_before, "the request is aborted",
                timeout=15)
     wait_until(all_pages_free, "every page is free again", timeout=15)
     wait_until(lambda: client.get("/health").json()["requests_in_flight"] == 0, "the admission slot is released")
@@ -319,9 +344,11 @@ class PressureLoad:
     memory; nobody reads them (the engines run regardless) and leaving cancels them."""
 
     def __init__(self, num_requests: int, prompt_len: int, max_tokens: int) -> None:
-        self.requests = [{"request_id": f"pressure-{i}-{time.time()}", "prompt": [13 + i] * prompt_len,
-                          "sampling": {"max_tokens": max_tokens, "ignore_eos": True},
-                          "num_prompt_tokens": prompt_len, "max_tokens": max_tokens} for i in range(num_requests)]
+        from apt_serve_ray import SamplingParams
+        from deployments.wire import EngineRequest
+
+        self.requests = [EngineRequest([13 + i] * prompt_len, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                                       f"pressure-{i}-{time.time()}") for i in range(num_requests)]
 
     def __enter__(self):
         from ray import serve
@@ -336,23 +363,23 @@ class PressureLoad:
 
 
 def test_controller_applies_the_watermarks_cluster_wide(client, app):
-    wait_until(lambda: (s := controller_state())["admission_open"] and s["cache_ratio"] == 0.0,
+    wait_until(lambda: (s := controller_state()).admission_open and s.cache_ratio == 0.0,
                "the controller is at rest", timeout=30)
     start = time.time()
     with PressureLoad(num_requests=8, prompt_len=400, max_tokens=1600):
         # Above the light watermark: every replica's hidden target rises.
-        wait_until(lambda: all(r["cache_ratio"] > 0 for r in replicas().values()), "replicas raise the hidden ratio")
+        wait_until(lambda: all(r.cache_ratio > 0 for r in replicas().values()), "replicas raise the hidden ratio")
         # Above the heavy one: the router refuses new work with 503, Retry-After and an OpenAI error.
-        wait_until(lambda: not controller_state()["admission_open"], "admission closes")
+        wait_until(lambda: not controller_state().admission_open, "admission closes")
         r = wait_until(lambda: (r := completion(client, app, max_tokens=2)).status_code == 503 and r,
                        "the router refuses", timeout=10)
         assert r.headers["retry-after"] == "1"
         assert assert_openai_error(r, 503)["code"] == "admission_closed"
     # Pressure gone: admission opens again and the ratio steps back down to its base.
-    wait_until(lambda: controller_state()["admission_open"], "admission reopens")
-    wait_until(lambda: all(r["cache_ratio"] == 0.0 for r in replicas().values()), "the hidden ratio falls back")
+    wait_until(lambda: controller_state().admission_open, "admission reopens")
+    wait_until(lambda: all(r.cache_ratio == 0.0 for r in replicas().values()), "the hidden ratio falls back")
     assert completion(client, app, max_tokens=2).status_code == 200
-    reasons = [d["reason"] for d in controller_state()["decisions"] if d["time"] >= start]
+    reasons = [d.reason for d in controller_state().decisions if d.time >= start]
     assert any("hidden target 0.00 -> 0.10" in r for r in reasons), reasons
     assert any("admission off" in r for r in reasons) and any("admission on" in r for r in reasons), reasons
     wait_until(all_pages_free, "every page is free again")
@@ -382,7 +409,7 @@ def test_killed_engine_replica_is_replaced_and_its_requests_fail_cleanly(client,
     for e in events:
         assert e.wait(30)
     victim = replica_ids[0]
-    ray.kill(ray.get_actor(before[victim]["actor_name"], namespace="serve"), no_restart=True)
+    ray.kill(ray.get_actor(before[victim].actor_name, namespace="serve"), no_restart=True)
     for t in threads:
         t.join(timeout=60)
         assert not t.is_alive(), "a stream hung after its replica was killed"

@@ -54,7 +54,12 @@ def test_build_app_returns_an_application_with_the_three_deployments():
     ({"policy": "round-robin"}, "policy"),
     ({"dtype": "float8"}, "dtype"),
     ({"engine_options": {"no_such_field": 1}}, "engine_options"),
-    ({"engine_options": {"num_pages": 4}}, "engine_options"),
+    ({"num_pages": 8, "engine_options": {"num_pages": 4}}, "engine_options"),
+    ({"engine_options": {"model": "x"}}, "engine_options"),
+    ({"enable_watermarks": True}, "enable_watermarks"),
+    ({"attention_backend": "numpy"}, "attention_backend"),
+    ({"num_threads": 0}, "num_threads"),
+    ({"hidden_ratio_step": 0}, "hidden_ratio_step"),
     ({"policy": "apt", "policy_weights": {"slo_weight": -1}}, "slo_weight"),
     ({"policy": "sarathi", "policy_weights": {"slo_weight": 1}}, "sarathi"),
 ])
@@ -63,3 +68,33 @@ def test_bad_app_args_name_the_field(args, field):
 
     with pytest.raises(ValueError, match=field):
         build_app(args)
+
+
+def test_every_engine_field_is_an_app_argument_and_engine_options_still_work():
+    import dataclasses
+
+    from apt_serve_ray.config import EngineConfig
+    from deployments.app import AppArgs
+
+    arguments = set(AppArgs.model_fields)
+    assert {f.name for f in dataclasses.fields(EngineConfig)} - arguments == {"enable_watermarks"}
+    top_level = AppArgs.model_validate({"attention_backend": "torch", "calibrate_rho": False, "cache_ratio": 0.2})
+    older = AppArgs.model_validate({"engine_options": {"attention_backend": "torch", "calibrate_rho": False},
+                                    "cache_ratio": 0.2})
+    assert top_level.engine_config() == older.engine_config()
+    config = top_level.engine_config()
+    assert config.attention_backend == "torch" and config.calibrate_rho is False and config.cache_ratio == 0.2
+    assert config.engine_process is True and config.max_num_seqs == EngineConfig.max_num_seqs  # unset: the default
+
+
+def test_the_watermarks_have_one_default_and_the_app_passes_its_own_to_the_engines():
+    from apt_serve_ray.config import EngineConfig
+    from apt_serve_ray.scheduler import watermarks
+    from deployments.app import AppArgs
+
+    default = AppArgs.model_validate({}).engine_config()
+    assert default.light_watermark == watermarks.LIGHT_WATERMARK
+    assert default.heavy_watermark == watermarks.HEAVY_WATERMARK
+    assert EngineConfig().max_hidden_ratio == watermarks.Watermarks().cap == watermarks.MAX_HIDDEN_RATIO
+    chosen = AppArgs.model_validate({"light_watermark": 0.6, "heavy_watermark": 0.85}).engine_config()
+    assert (chosen.light_watermark, chosen.heavy_watermark) == (0.6, 0.85)  # the controller's and the timeline's

@@ -7,7 +7,8 @@ import asyncio
 import pytest
 
 from deployments import openai_protocol as oai
-from deployments.streaming import coalesced, merge_items
+from deployments.streaming import coalesced
+from deployments.wire import StreamItem
 
 
 @pytest.mark.parametrize("raw, param", [
@@ -30,6 +31,14 @@ def test_bad_completion_requests_name_the_field(raw, param):
     error = info.value
     assert error.status == 400 and error.param == param
     assert set(error.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_sampling_fields_left_out_take_the_models_defaults():
+    request = oai.parse_request(oai.CompletionRequest, {"model": "m", "prompt": "x", "top_p": 0.5})
+    defaults = {"temperature": 0.2, "top_p": 0.9, "top_k": 40}
+    kwargs = request.sampling_kwargs(default_max_tokens=16, defaults=defaults)
+    assert (kwargs["temperature"], kwargs["top_p"], kwargs["top_k"]) == (0.2, 0.5, 40)  # the request's own wins
+    assert "temperature" not in request.sampling_kwargs(default_max_tokens=16)  # none: SamplingParams' default
 
 
 def test_chat_requests_accept_text_parts_and_max_completion_tokens():
@@ -70,30 +79,30 @@ async def _source(items, delay_after=(), fail_at=None):
 
 
 def _item(i, **extra):
-    return {"text": str(i), "token_ids": [i], **extra}
+    return StreamItem(str(i), (i,), **extra)
 
 
 @pytest.mark.asyncio
 async def test_coalesced_merges_what_piled_up_and_keeps_order():
     items = [_item(0, replica_id="r"), _item(1), _item(2), _item(3, finish_reason="stop")]
     out = []
-    async for merged in coalesced(_source(items), merge_items):
+    async for merged in coalesced(_source(items), StreamItem.merge):
         out.append(merged)
         await asyncio.sleep(0.01)  # a slow consumer: the rest pile up meanwhile
-    assert "".join(m["text"] for m in out) == "0123"
-    assert [t for m in out for t in m["token_ids"]] == [0, 1, 2, 3]
-    assert len(out) < 4 and out[0]["replica_id"] == "r" and out[-1]["finish_reason"] == "stop"
+    assert "".join(m.text for m in out) == "0123"
+    assert [t for m in out for t in m.token_ids] == [0, 1, 2, 3]
+    assert len(out) < 4 and out[0].replica_id == "r" and out[-1].finish_reason == "stop"
 
 
 @pytest.mark.asyncio
 async def test_coalesced_passes_items_one_by_one_to_a_fast_consumer_and_raises_errors_in_order():
-    out = [m async for m in coalesced(_source([_item(0), _item(1)], delay_after={0}), merge_items)]
-    assert [m["text"] for m in out] == ["0", "1"]
+    out = [m async for m in coalesced(_source([_item(0), _item(1)], delay_after={0}), StreamItem.merge)]
+    assert [m.text for m in out] == ["0", "1"]
     seen = []
     with pytest.raises(RuntimeError, match="engine died"):
         async for merged in coalesced(_source([_item(0), _item(1), _item(2)], delay_after={0, 1}, fail_at=2),
-                                      merge_items):
-            seen.append(merged["text"])
+                                      StreamItem.merge):
+            seen.append(merged.text)
     assert seen == ["0", "1"]
 
 
@@ -111,7 +120,7 @@ async def test_closing_coalesced_closes_its_source():
         finally:
             closed.set()
 
-    stream = coalesced(endless(), merge_items)
+    stream = coalesced(endless(), StreamItem.merge)
     await anext(stream)
     await stream.aclose()
     assert closed.is_set()

@@ -8,8 +8,11 @@ from dataclasses import dataclass, field
 import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
 from ray.serve.request_router import PendingRequest
+from serve_helpers import load_report
 
+from apt_serve_ray import SamplingParams
 from deployments.request_router import FitAwareRequestRouter, request_pages
+from deployments.wire import EngineRequest
 
 DEPLOYMENT = DeploymentID(name="EngineReplica", app_name="test")
 
@@ -27,14 +30,18 @@ class FakeReplica:
 
 def stats(free: int, *, pages: int = 128, running: int = 0, waiting: int = 0, pending: int = 0,
           at: float | None = None) -> dict:
-    return {"time": time.time() - 1 if at is None else at, "num_pages": pages, "num_free_pages": free,
-            "num_pending_pages": pending, "num_running": running, "num_waiting": waiting, "max_num_seqs": 16,
-            "tokens_per_page": {"kv": 16, "hidden": 32}}
+    """What Serve holds as a replica's routing stats: its ``LoadReport`` as a dict."""
+    return load_report(time=time.time() - 1 if at is None else at, num_pages=pages, num_free_pages=free,
+                       num_pending_pages=pending, num_running=running, num_waiting=waiting, max_num_seqs=16,
+                       tokens_per_kv_page=16).to_dict()
+
+
+def engine_request(num_prompt_tokens: int, max_tokens: int | None = 16, rid: str = "r") -> EngineRequest:
+    return EngineRequest([1] * num_prompt_tokens, SamplingParams(max_tokens=max_tokens), rid)
 
 
 def pending(num_prompt_tokens: int, max_tokens: int = 16, method: str = "generate", rid: str = "r") -> PendingRequest:
-    request = {"request_id": rid, "prompt": [1] * num_prompt_tokens, "num_prompt_tokens": num_prompt_tokens,
-               "max_tokens": max_tokens}
+    request = engine_request(num_prompt_tokens, max_tokens, rid)
     return PendingRequest(args=[request], kwargs={}, metadata=RequestMetadata(
         request_id=rid, internal_request_id=rid, call_method=method))
 
@@ -53,9 +60,9 @@ async def choose(router, replicas, request) -> list[str]:
 
 
 def test_request_pages_counts_prompt_and_capped_output():
-    assert request_pages({"num_prompt_tokens": 100, "max_tokens": 10}, 16, 64) == 7
-    assert request_pages({"num_prompt_tokens": 100, "max_tokens": 1000}, 16, 64) == 11
-    assert request_pages({"num_prompt_tokens": 100, "max_tokens": None}, 16, 64) == 11
+    assert request_pages(engine_request(100, max_tokens=10), 16, 64) == 7
+    assert request_pages(engine_request(100, max_tokens=1000), 16, 64) == 11
+    assert request_pages(engine_request(100, max_tokens=None), 16, 64) == 11
 
 
 @pytest.mark.asyncio
@@ -115,3 +122,6 @@ async def test_other_calls_and_unknown_replicas_are_left_to_serve():
     ranks = await router.choose_replicas([a, b], pending(10, method="load"))
     assert ranks == [[a, b]]
     assert sorted(await choose(router, [a, b], pending(10))) == ["a", "b"]  # a has no snapshot yet: still a choice
+    text = PendingRequest(args=[EngineRequest("not tokenised", SamplingParams())], kwargs={}, metadata=RequestMetadata(
+        request_id="t", internal_request_id="t", call_method="generate"))
+    assert await router.choose_replicas([a, b], text) == [[a, b]]  # its size is unknown

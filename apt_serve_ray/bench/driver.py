@@ -2,7 +2,7 @@
 
 ``replay`` is the offline half of the serving benchmark (SPEC section 3): requests enter the engine
 when their arrival time comes, the engine steps continuously in between, and every token's time is
-kept. Clock: ``time.monotonic`` (the engine's own). Request ``i`` is given
+kept. Clock: the engine's own (``time.monotonic``, or the simulator's). Request ``i`` is given
 ``arrival_time = t0 + trace[i].arrival_s`` -- its *scheduled* arrival, not the moment the loop got
 round to adding it -- so time spent waiting for the current step to end counts as queueing, as it
 would for a client whose request lands mid-step.
@@ -10,34 +10,27 @@ would for a client whose request lands mid-step.
 Each run must leave the engine idle with every page free, so one engine (one model load) serves a
 whole rate sweep; ``reset`` checks it. A request not finished ``timeout_s`` after the last arrival
 is aborted and reported as unfinished (``starved`` if it never got a first token); a correct
-scheduler reports zero of both.
+scheduler reports zero of both. Memory is recorded by a ``CacheTracker`` for the run.
+
+``replay_simulated`` is the same replay on ``simulator.SimulatedEngine``: the same engine with a
+cost-model runner, on a clock that jumps over idle time instead of sleeping.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import math
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
 from apt_serve_ray.bench.slo_metrics import RequestTimeline, p99_gap_ms, summarize, ttft_ms
 from apt_serve_ray.bench.workloads import TraceRequest, fill_token_ids
-from apt_serve_ray.request import CacheKind
+from apt_serve_ray.observability.tracker import CacheTracker, plot_memory_timeline
 from apt_serve_ray.sampling_params import SamplingParams
 
-
-@dataclass
-class MemorySample:
-    """Cache state right after one step (pages freed by requests that finished in it are back)."""
-
-    t_s: float  # since the first arrival
-    pages_kv: int
-    pages_hidden: int
-    usage: float  # used / total pages
-    cache_ratio: float  # the scheduler's hidden target
-    num_running: int
-    num_waiting: int
+_IDLE_S = 0.001  # after a step that could run nothing (e.g. admission closed), before the next
 
 
 @dataclass
@@ -49,7 +42,9 @@ class RunResult:
     num_unfinished: int
     num_starved: int  # unfinished and never got a first token
     peak_pages: dict[str, int]  # max over steps, per cache kind and "total"
-    memory: list[MemorySample] = field(default_factory=list)
+    # CacheTracker.timeline() of the run: a sample after every step ("t" since the first arrival),
+    # watermark crossings, the watermarks; the shape a replica's memory_timeline() has.
+    memory: dict
     schedule_s: list[float] = field(default_factory=list)  # scheduler time per iteration
     step_s: list[float] = field(default_factory=list)  # whole step time per iteration
     final_kinds: dict[str, int] = field(default_factory=dict)  # cache kind each request ended with
@@ -73,9 +68,11 @@ class RunResult:
         )
         return s
 
-    def memory_dict(self) -> dict[str, list]:
-        """The memory timeline as columns (for JSON and plots)."""
-        return {f.name: [getattr(m, f.name) for m in self.memory] for f in dataclasses.fields(MemorySample)}
+    def plot_memory_timeline(self, path, title: str | None = None) -> str:
+        """The run's pages by kind, usage and hidden target over time (``CacheTracker``'s plot)."""
+        m = self.memory
+        return plot_memory_timeline(m["series"], m["crossings"], path, light=m["light_watermark"],
+                                    heavy=m["heavy_watermark"], title=title or "cache memory by kind")
 
 
 def _engine(llm_or_engine):
@@ -104,9 +101,12 @@ def reset(llm_or_engine) -> None:
 
 def replay(llm_or_engine, trace: list[TraceRequest], *, ttft_slo_ms: float | None = None,
            tbt_slo_ms: float | None = None, progress: bool = True, timeout_s: float = 600.0,
-           desc: str = "replay", seed: int = 0, run_id: str | None = None) -> RunResult:
+           desc: str = "replay", seed: int = 0, run_id: str | None = None,
+           wait_until: Callable[[float], None] | None = None) -> RunResult:
     """Replay ``trace`` in real time. SLOs given here apply to requests that carry none of their own
-    (the engine's defaults to those left without either). Request ids are ``run_id/trace id``."""
+    (the engine's defaults to those left without either). Request ids are ``run_id/trace id``.
+    ``wait_until(t)`` lets idle time pass until clock time ``t``: by default sleeping (at most 50 ms
+    at a time), a simulated clock's ``advance_to`` in ``replay_simulated``."""
     engine = _engine(llm_or_engine)
     if not trace:
         raise ValueError("trace: must hold at least one request")
@@ -117,56 +117,61 @@ def replay(llm_or_engine, trace: list[TraceRequest], *, ttft_slo_ms: float | Non
         trace = fill_token_ids(trace, engine.vocab_size, seed)
     trace = sorted(trace, key=lambda r: r.arrival_s)
     prefix = f"{run_id}/" if run_id else ""
-    pool, sched = engine.cache.pool, engine.scheduler
+    pool, sched, clock = engine.cache.pool, engine.scheduler, engine.clock
+    if wait_until is None:
+        def wait_until(t: float) -> None:
+            time.sleep(max(0.0, min(t - clock(), 0.05)))
     preempt0 = sched.num_preemptions
 
     bar = _progress_bar(len(trace), desc, progress)
-    t0 = time.monotonic() + 0.01 - trace[0].arrival_s  # the clock time of trace offset 0
+    t0 = clock() + 0.01 - trace[0].arrival_s  # the clock time of trace offset 0
     start = t0 + trace[0].arrival_s
     deadline = t0 + trace[-1].arrival_s + timeout_s
+    tracker = CacheTracker(engine, start=start)
     requests, finals = {}, {}
-    memory, schedule_s, step_s = [], [], []
-    peak = {"kv": 0, "hidden": 0, "total": 0}
+    schedule_s, step_s = [], []
     causes: dict[str, int] = {}
     next_i = 0
-    while True:
-        now = time.monotonic()
-        while next_i < len(trace) and t0 + trace[next_i].arrival_s <= now:
-            tr = trace[next_i]
-            params = SamplingParams(max_tokens=tr.output_len, ignore_eos=True, temperature=0.0)
-            req = engine.add_request(list(tr.prompt_token_ids), params, prefix + tr.request_id,
-                                     arrival_time=t0 + tr.arrival_s, ttft_slo_ms=tr.ttft_slo_ms or ttft_slo_ms,
-                                     tbt_slo_ms=tr.tbt_slo_ms or tbt_slo_ms, priority=tr.priority)
-            requests[req.request_id] = req
-            next_i += 1
-        busy = engine.has_unfinished_requests()
-        if (next_i == len(trace) and not busy) or now > deadline:
-            break
-        if not busy:  # idle until the next arrival
-            time.sleep(max(0.0, min(t0 + trace[next_i].arrival_s - now, 0.05)))
-            continue
-        ts = time.perf_counter()
-        outputs = engine.step()
-        if engine.last_step:
-            step_s.append(time.perf_counter() - ts)
-            schedule_s.append(engine.last_step["schedule_s"])
-            for cause in engine.last_step.get("preempt_causes", ()):
-                causes[cause] = causes.get(cause, 0) + 1
-        kv, hid = pool.num_used(CacheKind.KV), pool.num_used(CacheKind.HIDDEN)
-        memory.append(MemorySample(time.monotonic() - start, kv, hid, pool.usage(), sched.cache_ratio,
-                                   len(sched.running), len(sched.waiting)))
-        peak = {"kv": max(peak["kv"], kv), "hidden": max(peak["hidden"], hid), "total": max(peak["total"], kv + hid)}
-        for out in outputs:
-            if out.finished:
-                finals[out.request_id] = out
-                bar.update(1)
-        if len(memory) % 20 == 0:
-            bar.set_postfix(run=len(sched.running), wait=len(sched.waiting), pages=f"{pool.usage():.0%}", refresh=False)
-    end = time.monotonic()
-    for rid, req in requests.items():  # timed out: abort, so the engine is idle again
-        if rid not in finals and not req.is_finished:
-            engine.abort_request(rid)
-    bar.close()
+    try:
+        while True:
+            now = clock()
+            while next_i < len(trace) and t0 + trace[next_i].arrival_s <= now:
+                tr = trace[next_i]
+                params = SamplingParams(max_tokens=tr.output_len, ignore_eos=True, temperature=0.0)
+                req = engine.add_request(list(tr.prompt_token_ids), params, prefix + tr.request_id,
+                                         arrival_time=t0 + tr.arrival_s, ttft_slo_ms=tr.ttft_slo_ms or ttft_slo_ms,
+                                         tbt_slo_ms=tr.tbt_slo_ms or tbt_slo_ms, priority=tr.priority)
+                requests[req.request_id] = req
+                next_i += 1
+            busy = engine.has_unfinished_requests()
+            if (next_i == len(trace) and not busy) or now > deadline:
+                break
+            if not busy:  # idle until the next arrival
+                wait_until(t0 + trace[next_i].arrival_s)
+                continue
+            outputs = engine.step()
+            stats = engine.last_step
+            if stats is None:
+                wait_until(clock() + _IDLE_S)
+            else:
+                step_s.append(stats.total_s)
+                schedule_s.append(stats.schedule_s)
+                for cause in stats.preempt_causes:
+                    causes[cause] = causes.get(cause, 0) + 1
+                if len(step_s) % 20 == 0:
+                    c = stats.cache
+                    bar.set_postfix(run=c.num_running, wait=c.num_waiting, pages=f"{c.usage:.0%}", refresh=False)
+            for out in outputs:
+                if out.finished:
+                    finals[out.request_id] = out
+                    bar.update(1)
+        end = clock()
+        for rid, req in requests.items():  # timed out: abort, so the engine is idle again
+            if rid not in finals and not req.is_finished:
+                engine.abort_request(rid)
+    finally:
+        tracker.detach()
+        bar.close()
     reset(engine)
 
     timelines = [_timeline(tr, t0, requests.get(prefix + tr.request_id), finals.get(prefix + tr.request_id),
@@ -178,11 +183,23 @@ def replay(llm_or_engine, trace: list[TraceRequest], *, ttft_slo_ms: float | Non
     unfinished = [t for t in timelines if not t.is_finished]
     last = max((t.finish_s for t in timelines if t.is_finished), default=start)
     duration = (max(last, end) if unfinished else last) - start
+    memory = tracker.timeline()
+    kv, hidden = memory["series"].get("kv", [0]), memory["series"].get("hidden", [0])
+    peak = {"kv": max(kv), "hidden": max(hidden), "total": max(k + h for k, h in zip(kv, hidden))}
     return RunResult(
         timelines, max(duration, 1e-9), pool.num_pages, sched.num_preemptions - preempt0, len(unfinished),
         sum(1 for t in unfinished if t.first_token_s is None), peak, memory, schedule_s, step_s, kinds,
         sum(out.metrics.num_upgrades for out in finished), causes,
     )
+
+
+def replay_simulated(sim, trace: list[TraceRequest], *, ttft_slo_ms: float | None = None,
+                     tbt_slo_ms: float | None = None) -> RunResult:
+    """``replay`` on a ``simulator.SimulatedEngine``: step times come from its cost model and idle
+    time is skipped, so a run takes milliseconds and is deterministic. For diagnosis beside real
+    runs. No timeout: every request runs to its end."""
+    return replay(sim, trace, ttft_slo_ms=ttft_slo_ms, tbt_slo_ms=tbt_slo_ms, progress=False, timeout_s=math.inf,
+                  wait_until=sim.clock.advance_to)
 
 
 def _timeline(tr: TraceRequest, t0: float, req, out, prefix: str, ttft_slo_ms, tbt_slo_ms) -> RequestTimeline:
@@ -232,47 +249,3 @@ def _progress_bar(total: int, desc: str, enabled: bool):
 
     return tqdm(total=total, desc=desc, unit="req", disable=not enabled, leave=False, dynamic_ncols=True,
                 mininterval=0.5)
-
-
-def replay_simulated(sim, trace: list[TraceRequest], *, ttft_slo_ms: float | None = None,
-                     tbt_slo_ms: float | None = None) -> RunResult:
-    """The same replay on a ``simulator.SimulatedEngine``'s clock: step times come from its cost
-    model, so a run takes milliseconds and is deterministic. For diagnosis beside real runs."""
-    if not trace:
-        raise ValueError("trace: must hold at least one request")
-    sched, pool = sim.scheduler, sim.cache.pool
-    pending = sorted(trace, key=lambda r: r.arrival_s)
-    start, preempt0 = pending[0].arrival_s, sched.num_preemptions
-    added, memory, schedule_s, step_s = [], [], [], []
-    peak = {"kv": 0, "hidden": 0, "total": 0}
-    causes: dict[str, int] = {}
-    sim.now = max(sim.now, start)
-    while pending or sched.num_unfinished:
-        while pending and pending[0].arrival_s <= sim.now:
-            tr = pending.pop(0)
-            req = sim.add(tr.prompt_len, tr.output_len, ttft_slo_ms=tr.ttft_slo_ms or ttft_slo_ms,
-                          tbt_slo_ms=tr.tbt_slo_ms or tbt_slo_ms, priority=tr.priority, request_id=tr.request_id)
-            req.arrival_time = tr.arrival_s
-            added.append((tr, req))
-        if not sched.num_unfinished:
-            sim.now = pending[0].arrival_s
-            continue
-        t = sim.now
-        out = sim.step()
-        step_s.append(sim.now - t)
-        schedule_s.append(out.schedule_time_s)
-        for cause in getattr(out, "preempt_causes", ()) or ():
-            causes[cause] = causes.get(cause, 0) + 1
-        kv, hid = pool.num_used(CacheKind.KV), pool.num_used(CacheKind.HIDDEN)
-        memory.append(MemorySample(sim.now - start, kv, hid, pool.usage(), sched.cache_ratio, len(sched.running),
-                                   len(sched.waiting)))
-        peak = {"kv": max(peak["kv"], kv), "hidden": max(peak["hidden"], hid), "total": max(peak["total"], kv + hid)}
-    timelines, kinds = [], {}
-    for tr, req in added:
-        kind = req.last_kind.value if req.last_kind else None
-        kinds[kind] = kinds.get(kind, 0) + 1
-        timelines.append(RequestTimeline(tr.request_id, req.arrival_time, req.first_token_time, list(req.token_times),
-                                         req.finish_time, tr.prompt_len, req.num_output_tokens, req.ttft_slo_ms,
-                                         req.tbt_slo_ms, num_preemptions=req.num_preemptions))
-    return RunResult(timelines, max(sim.now - start, 1e-9), pool.num_pages, sched.num_preemptions - preempt0, 0, 0,
-                     peak, memory, schedule_s, step_s, kinds, sum(req.num_upgrades for _, req in added), causes)

@@ -2,10 +2,9 @@
 
 * ``plot_attainment``: SLO attainment vs request rate, one line per policy, with the 90% / 60% targets.
 * ``plot_latency_cdfs``: CDFs of TTFT and of every inter-token gap, one line per policy, SLOs marked.
-* ``plot_memory_timeline``: pages in use by cache kind (stacked) over one run, with the share of the
-  pool in use and the scheduler's hidden-cache target on a second axis.
 
-Each function writes one PNG and returns its path.
+Each function writes one PNG and returns its path. A run's memory timeline is drawn by
+``CacheTracker``'s plot (``RunResult.plot_memory_timeline``).
 """
 
 from __future__ import annotations
@@ -76,33 +75,4 @@ def plot_latency_cdfs(runs: dict[str, list[RequestTimeline]], path, *, title: st
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
     fig.suptitle(title or "latency CDFs")
-    return _save(fig, path)
-
-
-def plot_memory_timeline(memory: dict[str, list], num_pages: int, path, *, title: str = "") -> Path:
-    """``memory``: columns as ``RunResult.memory_dict()`` gives them (t_s, pages_kv, pages_hidden,
-    usage, cache_ratio, ...)."""
-    t = np.asarray(memory.get("t_s", []), dtype=float)
-    fig, ax = plt.subplots(figsize=(8, 4))
-    if t.size:
-        kv = np.asarray(memory["pages_kv"], dtype=float)
-        hid = np.asarray(memory["pages_hidden"], dtype=float)
-        ax.stackplot(t, kv, hid, labels=("KV pages", "hidden pages"), colors=("tab:blue", "tab:orange"),
-                     alpha=0.7, step="post")
-        ax2 = ax.twinx()
-        ax2.step(t, 100 * np.asarray(memory["usage"], dtype=float), where="post", color="black", linewidth=0.8,
-                 label="pool in use (%)")
-        ax2.step(t, 100 * np.asarray(memory["cache_ratio"], dtype=float), where="post", color="tab:red",
-                 linestyle="--", linewidth=1, label="hidden target (%)")
-        ax2.set_ylim(0, 105)
-        ax2.set_ylabel("%")
-        lines, labels = ax.get_legend_handles_labels()
-        lines2, labels2 = ax2.get_legend_handles_labels()
-        ax.legend(lines + lines2, labels + labels2, loc="upper left", fontsize=8)
-    ax.axhline(num_pages, color="grey", linestyle=":", linewidth=1)
-    ax.set_ylim(0, num_pages * 1.05)
-    ax.set_xlabel("time since first arrival (s)")
-    ax.set_ylabel(f"pages (of {num_pages})")
-    ax.set_title(title or "cache memory by kind")
-    ax.grid(alpha=0.3)
     return _save(fig, path)

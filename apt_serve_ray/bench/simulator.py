@@ -1,5 +1,6 @@
-"""A model-free engine: the real scheduler, page pool and policies driven by a step-time cost model on
-a simulated clock. For scheduler tests and quick policy studies (not a substitute for real runs).
+"""A model-free engine: the real ``LLMEngine`` (scheduler, page pool, policies, watermarks, stop
+conditions, outputs) with its model runner replaced by a step-time cost model on a simulated clock.
+For scheduler tests and quick policy studies (not a substitute for real runs). No model is loaded.
 
 Step time = ``base_s + per_token_s * batched tokens + per_context_s * sum(context of decodes)
 + hidden_context_s * sum(context of hidden decodes)`` — the shape the calibrated cost model has.
@@ -9,15 +10,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from apt_serve_ray.cache.cache_manager import CacheManager
 from apt_serve_ray.cache.layout import CacheLayout
-from apt_serve_ray.cache.page_pool import PagePool
 from apt_serve_ray.config import EngineConfig
-from apt_serve_ray.request import CacheKind, Request, RequestStatus
+from apt_serve_ray.engine import LLMEngine
+from apt_serve_ray.request import CacheKind, Request
+from apt_serve_ray.sampler import SampledToken
 from apt_serve_ray.sampling_params import SamplingParams
-from apt_serve_ray.scheduler.registry import make_policy
-from apt_serve_ray.scheduler.scheduler import Scheduler
-from apt_serve_ray.scheduler.watermarks import Watermarks
+from apt_serve_ray.scheduler.output import SchedulerOutput
+
+IDLE_STEP_S = 0.001  # a step that computes nothing still lets the clock move (waiters must see time pass)
+PROMPT_TOKEN_ID, OUTPUT_TOKEN_ID = 7, 8
 
 
 @dataclass(frozen=True)
@@ -47,59 +49,126 @@ MHA_LAYOUT = CacheLayout(num_layers=12, num_kv_heads=12, head_dim=64, hidden_siz
 GQA_LAYOUT = CacheLayout(num_layers=30, num_kv_heads=3, head_dim=64, hidden_size=576, block_size=16, dtype_bytes=2)
 
 
+class SimulatedClock:
+    """Simulated seconds: the runner advances them by step times, whoever waits by idle time."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    def advance_to(self, t: float) -> None:
+        self.now = max(self.now, t)
+
+
+class CostModelRunner:
+    """The model runner's contract (see ``LLMEngine``) without a model: a step takes the cost
+    model's time on the clock and samples ``OUTPUT_TOKEN_ID`` for every request whose chunk completes.
+    Keeps the last ``SchedulerOutput`` it ran, for tests that look at the decision."""
+
+    hf_config = None  # no EOS ids: requests end by length
+    vocab_size = 32_000
+
+    def __init__(self, layout: CacheLayout, num_pages: int, max_model_len: int, cost: CostModel,
+                 clock: SimulatedClock) -> None:
+        self.layout, self.num_pages, self.max_model_len = layout, num_pages, max_model_len
+        self.cost, self.clock = cost, clock
+        self.last_output: SchedulerOutput | None = None
+
+    def execute(self, out: SchedulerOutput) -> list[tuple[Request, SampledToken]]:
+        self.last_output = out
+        self.clock.advance(self.cost.step_time(out.chunks) if out.chunks else IDLE_STEP_S)
+        return [(c.request, SampledToken(OUTPUT_TOKEN_ID)) for c in out.chunks if c.completes]
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+
+class _Tokenizer:
+    """No vocabulary: one character per token (so incremental detokenisation stays O(1) per token)."""
+
+    eos_token_id = None
+
+    def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
+        return "." * len(token_ids)
+
+
 class SimulatedEngine:
+    """``LLMEngine`` on a ``CostModelRunner`` and a ``SimulatedClock`` (``llm_engine``, as ``LLM``
+    has it, so the bench driver and ``CacheTracker`` take either), plus what scenario tests need:
+    requests added by length, ``step()`` returning the step's ``SchedulerOutput``, ``now`` to move
+    time, ``finished`` requests and a record per step."""
+
     def __init__(self, config: EngineConfig, layout: CacheLayout = MHA_LAYOUT, num_pages: int = 100,
                  cost: CostModel = CostModel(), policy=None, max_model_len: int = 2048) -> None:
-        self.config = config
         self.cost = cost
-        self.now = 0.0
-        self.cache = CacheManager(PagePool(num_pages), layout)
-        hidden_allowed = config.hidden_allowed(layout.hidden_saves_memory)
-        self.scheduler = Scheduler(config, self.cache, None, hidden_allowed, max_model_len)
-        self.hidden_allowed = hidden_allowed
-        self.runner = None
-        policy = policy or make_policy(config.policy, config)
-        policy.bind(self)
-        self.scheduler.policy = policy
-        self.watermarks = (Watermarks(config.light_watermark, config.heavy_watermark, config.max_hidden_ratio,
-                                      config.hidden_ratio_step, base=self.scheduler.cache_ratio)
-                           if config.enable_watermarks else None)
+        self.clock = SimulatedClock()
+        # The engine would cap the context at the pool's KV capacity anyway; capping here spares the warning.
+        max_model_len = min(max_model_len, num_pages * layout.block_size)
+        self.runner = CostModelRunner(layout, num_pages, max_model_len, cost, self.clock)
+        # No model to calibrate on: a policy that needs rho or a step model is given them.
+        self.llm_engine = LLMEngine(config.replace(calibrate_rho=False), runner=self.runner, tokenizer=_Tokenizer(),
+                                    clock=self.clock)
+        if policy is not None:
+            self.llm_engine.set_policy(policy)
         self.finished: list[Request] = []
-        self.steps: list[dict] = []
+        self.steps: list[dict] = []  # {"t", "out", "usage", "ratio", "admit"} after each step
+        self._requests: dict[str, Request] = {}
         self._next_id = 0
+
+    @property
+    def now(self) -> float:
+        return self.clock.now
+
+    @now.setter
+    def now(self, t: float) -> None:
+        self.clock.now = t
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.llm_engine.config
+
+    @property
+    def scheduler(self):
+        return self.llm_engine.scheduler
+
+    @property
+    def cache(self):
+        return self.llm_engine.cache
+
+    @property
+    def hidden_allowed(self) -> bool:
+        return self.llm_engine.hidden_allowed
 
     def add(self, prompt_len: int, output_len: int, *, ttft_slo_ms: float | None = None, tbt_slo_ms: float | None = None,
             priority: int = 0, request_id: str | None = None) -> Request:
+        """A request of ``prompt_len`` tokens that generates exactly ``output_len``, arriving now."""
         rid = request_id or f"r{self._next_id}"
         self._next_id += 1
-        request = Request(rid, [7] * prompt_len, SamplingParams(max_tokens=output_len, ignore_eos=True),
-                          arrival_time=self.now, max_total_tokens=10**9,
-                          ttft_slo_ms=ttft_slo_ms or self.config.default_ttft_slo_ms,
-                          tbt_slo_ms=tbt_slo_ms or self.config.default_tbt_slo_ms, priority=priority)
-        self.scheduler.add_request(request)
+        request = self.llm_engine.add_request(
+            [PROMPT_TOKEN_ID] * prompt_len, SamplingParams(max_tokens=output_len, ignore_eos=True), rid,
+            ttft_slo_ms=ttft_slo_ms, tbt_slo_ms=tbt_slo_ms, priority=priority)
+        self._requests[rid] = request
         return request
 
-    def step(self):
-        if self.watermarks is not None:
-            d = self.watermarks.observe(self.cache.pool.usage())
-            self.scheduler.set_cache_ratio(d.cache_ratio)
-            self.scheduler.pressure_admit = d.admit
-        out = self.scheduler.schedule(self.now)
-        self.cache.release_deferred()
-        dt = self.cost.step_time(out.chunks) if out.chunks else 0.001
-        self.now += dt
-        for c in out.chunks:
-            c.request.num_computed_tokens += c.num_tokens
-        for c in out.chunks:
-            r = c.request
-            if r.num_computed_tokens == r.num_tokens:
-                r.append_output_token(8, self.now)
-                if r.num_output_tokens >= r.max_output_tokens:
-                    self.scheduler.finish(r, RequestStatus.FINISHED_LENGTH)
-                    r.finish_time = self.now
-                    self.finished.append(r)
+    def step(self) -> SchedulerOutput:
+        """One engine step; its decision (empty if nothing ran, and then the clock moves by ``IDLE_STEP_S``)."""
+        self.runner.last_output = None
+        outputs = self.llm_engine.step()
+        out = self.runner.last_output
+        if out is None:
+            out = SchedulerOutput()
+            self.clock.advance(IDLE_STEP_S)
+        for output in outputs:
+            if output.finished and output.request_id in self._requests:
+                self.finished.append(self._requests.pop(output.request_id))
+        sched = self.scheduler
         self.steps.append({"t": self.now, "out": out, "usage": self.cache.pool.usage(),
-                           "ratio": self.scheduler.cache_ratio, "admit": self.scheduler.pressure_admit})
+                           "ratio": sched.cache_ratio, "admit": sched.pressure_admit})
         return out
 
     def run_until_idle(self, max_steps: int = 100_000) -> None:

@@ -149,12 +149,6 @@ def with_rate(trace: list[TraceRequest], rate: float, cv: float = 1.0, seed: int
     return [dataclasses.replace(r, arrival_s=float(t)) for r, t in zip(trace, arrivals)]
 
 
-def with_slos(trace: list[TraceRequest], ttft_slo_ms: float | None,
-              tbt_slo_ms: float | None) -> list[TraceRequest]:
-    """The same requests with these SLOs on every request."""
-    return [dataclasses.replace(r, ttft_slo_ms=ttft_slo_ms, tbt_slo_ms=tbt_slo_ms) for r in trace]
-
-
 def fill_token_ids(trace: list[TraceRequest], vocab_size: int, seed: int = 0) -> list[TraceRequest]:
     """Give each request without ``prompt_token_ids`` seeded random ids of its exact prompt length."""
     if vocab_size <= 2 * _MIN_TOKEN_ID_MARGIN:

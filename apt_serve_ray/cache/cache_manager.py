@@ -46,11 +46,12 @@ class CacheManager:
         if the pool has too few free pages."""
         kind = kind or request.kind or CacheKind.KV
         num = self.num_new_pages(request, num_total_tokens, kind)
-        pages = self.pool.allocate(num, kind, request.request_id)
-        if pages is None:
-            return False
+        if num:  # most decode steps fit in the pages held: no trip to the pool
+            pages = self.pool.allocate(num, kind, request.request_id)
+            if pages is None:
+                return False
+            request.page_ids.extend(pages)
         request.kind = request.last_kind = kind
-        request.page_ids.extend(pages)
         return True
 
     def free(self, request: Request) -> None:
@@ -58,11 +59,6 @@ class CacheManager:
             self.pool.free(request.page_ids, request.request_id)
         request.page_ids = []
         request.kind = None
-
-    def can_upgrade(self, request: Request, num_total_tokens: int) -> bool:
-        if request.kind is not CacheKind.HIDDEN:
-            return False
-        return self.pool.can_allocate(self.layout.num_pages_for(num_total_tokens, CacheKind.KV))
 
     def upgrade(self, request: Request, num_total_tokens: int) -> UpgradePlan | None:
         """Switch a hidden request to KV pages big enough for ``num_total_tokens``; the runner fills

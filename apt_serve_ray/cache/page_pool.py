@@ -74,6 +74,3 @@ class PagePool:
             counted = sum(1 for p in owned if self._kind[p] is kind)
             if counted != self._num_used[kind]:
                 raise AssertionError(f"{kind.value} pages: counter {self._num_used[kind]} != owned {counted}")
-
-    def owned_by(self, owner: str) -> list[int]:
-        return [p for p in range(self.num_pages) if self._owner[p] == owner]

@@ -105,15 +105,14 @@ class EngineMetrics(EngineObserver):
                 self.slo.inc(1, self._tags(result=result))
 
     def on_step(self, engine, stats, now) -> None:
-        tags = self._tags()
-        pool = engine.cache.pool
-        self.waiting.set(stats["num_waiting"], tags)
-        self.running.set(stats["num_running"], tags)
-        self.pages.set(stats["pages_kv"], self._tags(kind="kv"))
-        self.pages.set(stats["pages_hidden"], self._tags(kind="hidden"))
-        self.pages.set(pool.num_free_pages, self._tags(kind="free"))
-        self.target.set(engine.scheduler.cache_ratio, tags)
-        self.share.set(engine.scheduler.hidden_share(), tags)
-        self.usage.set(pool.usage(), tags)
-        self.sched.observe(stats["schedule_s"], tags)
-        self.step.observe(stats["total_s"], tags)
+        tags, cache = self._tags(), stats.cache
+        self.waiting.set(cache.num_waiting, tags)
+        self.running.set(cache.num_running, tags)
+        self.pages.set(cache.num_kv_pages, self._tags(kind="kv"))
+        self.pages.set(cache.num_hidden_pages, self._tags(kind="hidden"))
+        self.pages.set(cache.num_free_pages, self._tags(kind="free"))
+        self.target.set(cache.cache_ratio, tags)
+        self.share.set(cache.hidden_share, tags)
+        self.usage.set(cache.usage, tags)
+        self.sched.observe(stats.schedule_s, tags)
+        self.step.observe(stats.total_s, tags)

@@ -9,6 +9,7 @@ import logging
 import numpy as np
 
 from apt_serve_ray.request import Request
+from apt_serve_ray.stats import StepStats
 
 request_logger = logging.getLogger("apt_serve_ray.requests")
 
@@ -28,8 +29,8 @@ class EngineObserver:
     def on_request_event(self, request: Request, event: RequestEvent, now: float, attrs: dict) -> None:
         pass
 
-    def on_step(self, engine, stats: dict, now: float) -> None:
-        pass
+    def on_step(self, engine, stats: StepStats, now: float) -> None:
+        """After every step that ran something; ``stats.cache`` is the state after it."""
 
 
 def request_record(request: Request) -> dict:

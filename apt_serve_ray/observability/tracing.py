@@ -74,10 +74,6 @@ def current_context_carrier() -> dict[str, str]:
     return carrier
 
 
-def _ns(t_monotonic: float, now_monotonic: float, now_ns: int) -> int:
-    return now_ns - int((now_monotonic - t_monotonic) * 1e9)
-
-
 class RequestTracer(EngineObserver):
     """Engine-side span per request with events queued, scheduled, first_token, preempted, finished."""
 

@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
-import time
+from pathlib import Path
 
 from apt_serve_ray.observability.observer import EngineObserver
 
 
 class CacheTracker(EngineObserver):
-    """Records one sample per engine step (at most one per ``min_interval_s``)."""
+    """Records one sample per engine step (at most one per ``min_interval_s``), from the step's
+    ``CacheStats``. Times are seconds on the engine's clock since ``start`` (default: now)."""
 
-    def __init__(self, llm, *, min_interval_s: float = 0.0, max_samples: int = 200_000) -> None:
+    def __init__(self, llm, *, min_interval_s: float = 0.0, max_samples: int = 200_000,
+                 start: float | None = None) -> None:
         self.engine = getattr(llm, "llm_engine", llm)
         cfg = self.engine.config
         self.light, self.heavy = cfg.light_watermark, cfg.heavy_watermark
         self.min_interval_s = min_interval_s
         self.max_samples = max_samples
-        self.start = time.monotonic()
+        self.start = self.engine.clock() if start is None else start
         self.samples: list[dict] = []
         self.crossings: list[dict] = []  # {"t", "watermark": "light"|"heavy", "direction": "up"|"down"}
         self._last_t = -1e9
@@ -29,27 +31,29 @@ class CacheTracker(EngineObserver):
         if now - self._last_t < self.min_interval_s or len(self.samples) >= self.max_samples:
             return
         self._last_t = now
-        pool = engine.cache.pool
-        usage = pool.usage()
+        c = stats.cache
         sample = {
-            "t": now - self.start, "kv": stats["pages_kv"], "hidden": stats["pages_hidden"],
-            "free": pool.num_free_pages, "num_pages": pool.num_pages, "usage": usage,
-            "cache_ratio": engine.scheduler.cache_ratio, "hidden_share": engine.scheduler.hidden_share(),
-            "admit": engine.scheduler.admission_open and engine.scheduler.pressure_admit,
-            "running": stats["num_running"], "waiting": stats["num_waiting"],
+            "t": now - self.start, "kv": c.num_kv_pages, "hidden": c.num_hidden_pages, "free": c.num_free_pages,
+            "num_pages": c.num_pages, "usage": c.usage, "cache_ratio": c.cache_ratio, "hidden_share": c.hidden_share,
+            "admit": c.admission_open, "running": c.num_running, "waiting": c.num_waiting,
         }
         if self.samples:
             prev = self.samples[-1]["usage"]
             for name, level in (("light", self.light), ("heavy", self.heavy)):
-                if prev <= level < usage:
+                if prev <= level < c.usage:
                     self.crossings.append({"t": sample["t"], "watermark": name, "direction": "up"})
-                elif usage <= level < prev:
+                elif c.usage <= level < prev:
                     self.crossings.append({"t": sample["t"], "watermark": name, "direction": "down"})
         self.samples.append(sample)
 
     def series(self) -> dict[str, list]:
         keys = self.samples[0].keys() if self.samples else ()
         return {k: [s[k] for s in self.samples] for k in keys}
+
+    def timeline(self) -> dict:
+        """Series, crossings and watermarks: what ``plot_memory_timeline`` draws (plain data, to send)."""
+        return {"series": self.series(), "crossings": list(self.crossings), "light_watermark": self.light,
+                "heavy_watermark": self.heavy}
 
     def plot_memory_timeline(self, path, title: str | None = None) -> str:
         """Stacked pages by kind, usage and hidden target over time, watermarks and their crossings."""
@@ -84,6 +88,8 @@ def plot_memory_timeline(series: dict, crossings: list[dict], path, *, light: fl
     ax2.set_xlabel("time (s)")
     ax2.legend(loc="upper left", fontsize=7, ncol=3)
     fig.tight_layout()
+    if isinstance(path, (str, Path)):  # else a file object (the replica draws into a buffer)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return str(path)

@@ -1,4 +1,4 @@
-"""The model-free core of the adaptive scheduler: score requests, then pick who runs with which cache.
+"""The model-free core of the adaptive scheduler: pick who runs with which cache, given their values.
 
 Each request i can be skipped, run with a KV cache (``mem_kv[i]`` pages, value ``value[i]``) or, where
 allowed, with the hidden-state cache (``mem_hidden[i]`` pages, value ``value[i] - recompute_cost[i]``).
@@ -28,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from apt_serve_ray.scheduler.value import density
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,7 @@ def _as_pages(name: str, x, n: int) -> np.ndarray:
 
 def _check_weight(name: str, w: float) -> None:
     if not (np.isfinite(w) and w >= 0):
-        raise ValueError(f"{name} must be a finite number >= 0, got {w!r}")
+        raise ValueError(f"{name}: must be a finite number >= 0, got {w!r}")
 
 
 def _validate(value, recompute_cost, mem_kv, mem_hidden, hidden_ok, capacity):
@@ -90,10 +92,8 @@ def _validate(value, recompute_cost, mem_kv, mem_hidden, hidden_ok, capacity):
 
 
 def _density(val: np.ndarray, mem: np.ndarray, memory_weight: float) -> np.ndarray:
-    """Value per page**memory_weight; zero-page items get +inf so they sort first."""
-    safe = np.maximum(mem, 1)
-    scaled = safe if memory_weight == 1.0 else safe ** memory_weight
-    return np.where(mem > 0, val / scaled, np.inf)
+    """The value model's density; zero-page items get +inf so they sort first."""
+    return np.where(mem > 0, density(val, mem, memory_weight), np.inf)
 
 
 def _result(chosen, hidden, v, c, mk, mh) -> Selection:
@@ -184,39 +184,3 @@ def brute_force_select(value, recompute_cost, mem_kv, mem_hidden, hidden_ok, cap
     tot_val = np.where(legal & (tot_mem <= cap), tot_val, -np.inf)
     best = codes[int(np.argmax(tot_val))]  # the all-skip row is always feasible
     return _result(best > 0, best == 1, v, c, mk, mh)
-
-
-def compute_values(pending_s, urgency, importance, pages, *, time_weight: float = 1.0,
-                   slo_weight: float = 0.0, priority_weight: float = 0.0,
-                   memory_weight: float = 1.0) -> np.ndarray:
-    """Operator-weighted value per request: time_weight*pending + slo_weight*urgency + priority_weight*importance.
-
-    With the defaults it is the paper's p_i (pending time in seconds). ``pages`` and ``memory_weight``
-    are validated here so one call checks every knob, but memory only enters through the density in
-    ``greedy_select(..., memory_weight=...)``. All inputs must be >= 0 so values are >= 0.
-    """
-    for name, w in (("time_weight", time_weight), ("slo_weight", slo_weight),
-                    ("priority_weight", priority_weight), ("memory_weight", memory_weight)):
-        _check_weight(name, w)
-    p = _as_vector("pending_s", pending_s, None)
-    n = p.shape[0]
-    u = _as_vector("urgency", urgency, n)
-    imp = _as_vector("importance", importance, n)
-    _as_pages("pages", pages, n)
-    for name, arr in (("pending_s", p), ("urgency", u), ("importance", imp)):
-        if np.any(arr < 0):
-            raise ValueError(f"{name} must be >= 0")
-    return time_weight * p + slo_weight * u + priority_weight * imp
-
-
-def urgency(now: float, deadline, slack_s) -> np.ndarray:
-    """How close each request is to its deadline, in [0, 1]: clip(1 - (deadline - now) / slack_s, 0, 1).
-
-    0 while more than ``slack_s`` seconds remain, rising linearly to 1 at the deadline, and 1 after
-    it (a missed request stays urgent; its value decay is the scheduler's job, not this function's).
-    """
-    d = np.asarray(deadline, dtype=np.float64)
-    s = np.asarray(slack_s, dtype=np.float64)
-    if np.any(~(s > 0)):
-        raise ValueError(f"slack_s must be > 0, got {slack_s!r}")
-    return np.clip(1.0 - (d - float(now)) / s, 0.0, 1.0)

@@ -7,8 +7,10 @@ and the page pool. The mechanism never knows which policy runs.
 
 from __future__ import annotations
 
+import operator
 import time
 from collections import deque
+from itertools import compress
 
 from apt_serve_ray.cache.cache_manager import CacheManager
 from apt_serve_ray.config import EngineConfig
@@ -62,7 +64,10 @@ class Scheduler:
     def schedule(self, now: float | None = None) -> SchedulerOutput:
         start = time.perf_counter()
         ctx = SchedulingContext(self, time.monotonic() if now is None else now)
-        self.policy.schedule(ctx)
+        try:
+            self.policy.schedule(ctx)
+        finally:
+            ctx.drop_admitted_from_waiting()
         out = ctx.output()
         out.schedule_time_s = time.perf_counter() - start
         return out
@@ -78,6 +83,11 @@ class SchedulingContext:
         self.max_model_len = scheduler.max_model_len
         self.token_budget = scheduler.config.max_num_batched_tokens
         self._chunks: dict[str, ScheduledChunk] = {}
+        # Requests admitted this step stay in the waiting deque until the decision ends (or a policy
+        # reads ``waiting`` again): removing each from the middle of a long queue cost O(queue) per
+        # admission, and the adaptive policy admits by value, not from the head.
+        self._admitted: set[int] = set()  # their id()s: dropping them must not touch every waiting request
+        self._readmitted = False  # one of them was preempted again: it is in the deque twice
         self._upgrades = []
         self._preempted: list[Request] = []
         self._causes: list[str] = []
@@ -89,6 +99,7 @@ class SchedulingContext:
 
     @property
     def waiting(self) -> deque[Request]:
+        self.drop_admitted_from_waiting()
         return self._s.waiting
 
     @property
@@ -102,6 +113,11 @@ class SchedulingContext:
     @property
     def cache_ratio(self) -> float:
         return self._s.cache_ratio
+
+    @property
+    def is_admission_open(self) -> bool:
+        """Whether new requests may be admitted now (``can_admit`` is then true for every waiting one)."""
+        return self._s.admission_open and self._s.pressure_admit
 
     @property
     def num_free_pages(self) -> int:
@@ -124,9 +140,7 @@ class SchedulingContext:
 
     def can_admit(self, request: Request) -> bool:
         """New requests wait while admission is closed; ones admitted before (preempted) may resume."""
-        if request.first_scheduled_time is not None:
-            return True
-        return self._s.admission_open and self._s.pressure_admit
+        return request.first_scheduled_time is not None or self.is_admission_open
 
     def default_kind(self) -> CacheKind:
         """Track the hidden target: hidden while the measured hidden share is below it."""
@@ -139,27 +153,30 @@ class SchedulingContext:
     def schedule(self, request: Request, num_tokens: int, kind: CacheKind | None = None) -> bool:
         """Run ``num_tokens`` more of ``request`` this step. False (nothing changed) if the token
         budget, the sequence limit or the free pages do not allow it."""
-        if self.is_scheduled(request):
-            raise ValueError(f"request {request.request_id} is already scheduled this step")
-        if not 0 < num_tokens <= request.num_tokens_to_compute:
+        # Called for every request of every batch: plain attribute reads, no property chains.
+        chunks, request_id = self._chunks, request.request_id
+        if request_id in chunks:
+            raise ValueError(f"request {request_id} is already scheduled this step")
+        num_computed = request.num_computed_tokens
+        if not 0 < num_tokens <= request.num_tokens - num_computed:
             raise ValueError(f"num_tokens: {num_tokens} not in [1, {request.num_tokens_to_compute}]")
-        if num_tokens > self.token_budget or self.num_seqs_left <= 0:
+        if num_tokens > self.token_budget or len(chunks) >= self.config.max_num_seqs:
             return False
         if request.kind is None:
             kind = kind or self.default_kind()
             if kind is CacheKind.HIDDEN and not self._s.hidden_allowed:
                 raise ValueError("kind: the hidden cache kind is disabled for this model")
         elif kind is not None and kind is not request.kind:
-            raise ValueError(f"kind: request {request.request_id} already holds {request.kind.value} pages")
-        if not self.cache.allocate(request, request.num_computed_tokens + num_tokens, kind):
+            raise ValueError(f"kind: request {request_id} already holds {request.kind.value} pages")
+        if not self._s.cache.allocate(request, num_computed + num_tokens, kind):
             return False
         if request.status is RequestStatus.WAITING:
-            self._s.waiting.remove(request)
+            self._admitted.add(id(request))
             self._s.running.append(request)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = self.now
-        self._chunks[request.request_id] = ScheduledChunk(request, num_tokens)
+        chunks[request_id] = ScheduledChunk(request, num_tokens)
         self.token_budget -= num_tokens
         return True
 
@@ -177,6 +194,7 @@ class SchedulingContext:
         request.num_preemptions += 1
         self._s.num_preemptions += 1
         self._s.waiting.appendleft(request)
+        self._readmitted = self._readmitted or id(request) in self._admitted
         self._preempted.append(request)
         self._causes.append(cause)
 
@@ -189,6 +207,21 @@ class SchedulingContext:
             return False
         self._upgrades.append(plan)
         return True
+
+    def drop_admitted_from_waiting(self) -> None:
+        """Remove the requests admitted so far from the waiting deque, in one pass."""
+        if not self._admitted:
+            return
+        waiting = self._s.waiting
+        if self._readmitted:  # keep its first (front) entry, the one preempt() put there
+            seen: set[Request] = set()
+            kept = [r for r in waiting if r.status is RequestStatus.WAITING and not (r in seen or seen.add(r))]
+        else:  # a long queue of cold objects: compare ids only, in C
+            kept = list(compress(waiting, map(operator.not_, map(self._admitted.__contains__, map(id, waiting)))))
+        waiting.clear()
+        waiting.extend(kept)
+        self._admitted.clear()
+        self._readmitted = False
 
     def output(self) -> SchedulerOutput:
         return SchedulerOutput(list(self._chunks.values()), list(self._upgrades), list(self._preempted),

@@ -10,6 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The one definition of the defaults (EngineConfig's fields, and through them the Serve app's arguments
+# and its controller, take theirs from here).
+LIGHT_WATERMARK = 0.7
+HEAVY_WATERMARK = 0.9
+MAX_HIDDEN_RATIO = 0.7
+HIDDEN_RATIO_STEP = 0.1
+
 
 @dataclass(frozen=True)
 class WatermarkDecision:
@@ -20,7 +27,8 @@ class WatermarkDecision:
 
 
 class Watermarks:
-    def __init__(self, light: float = 0.7, heavy: float = 0.9, cap: float = 0.7, step: float = 0.1, base: float = 0.0):
+    def __init__(self, light: float = LIGHT_WATERMARK, heavy: float = HEAVY_WATERMARK, cap: float = MAX_HIDDEN_RATIO,
+                 step: float = HIDDEN_RATIO_STEP, base: float = 0.0):
         if not 0.0 <= light <= heavy <= 1.0:
             raise ValueError(f"light/heavy watermarks: need 0 <= light <= heavy <= 1, got {light}, {heavy}")
         self.light, self.heavy, self.cap, self.step = light, heavy, cap, step

@@ -6,18 +6,20 @@ from abc import ABC, abstractmethod
 from typing import Callable, ClassVar, Iterable
 
 from apt_serve_ray.request import Request, RequestStatus
+from apt_serve_ray.scheduler.costs import StepCosts
 
 
 class SchedulingPolicy(ABC):
     name: ClassVar[str]
+    # The step costs a policy prices its choices with; None: it prices nothing. Whoever runs the
+    # model fills in the unknown ones and injects them (``set_costs``); the policy never measures.
+    costs: StepCosts | None = None
 
     def __init__(self, config=None) -> None:
         self.config = config
 
-    def bind(self, engine) -> None:
-        """Called when the engine installs the policy."""
-        if self.config is None:
-            self.config = engine.config
+    def set_costs(self, costs: StepCosts) -> None:
+        self.costs = costs
 
     @abstractmethod
     def schedule(self, ctx) -> None:

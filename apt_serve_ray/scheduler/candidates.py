@@ -1,0 +1,157 @@
+"""One step's candidates of the adaptive policy as columns, read from the requests once.
+
+Rows: the running requests not yet scheduled this step (``num_running`` of them), then the waiting
+requests that may be admitted, each group in queue order. Every later stage (price, choose, admit,
+shape the iteration) works on these numpy columns; only scheduling a chosen request touches it again.
+
+Reading is the cost that grows with the queue, so: a field is one C-level pass (``map`` over an
+``attrgetter``), never a Python call per request; waiting requests read at the previous decision are
+not read again (``WaitingRows``); and the SLO state (pending time, missed or not) is computed from
+the timestamps with numpy, mirroring ``Request.pending_time`` / ``has_missed_slo`` (tests hold the
+two to the same answers).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from itertools import repeat
+from operator import attrgetter
+
+import numpy as np
+
+from apt_serve_ray.request import CacheKind, Request
+from apt_serve_ray.scheduler.value import importance, urgency
+
+# What is read of every candidate, one float column each (None, no token yet, reads as NaN), then
+# num_tokens. One list per column, not a tuple per request: fewer objects for the garbage collector.
+_FIELDS = tuple(attrgetter(name) for name in ("arrival_time", "last_token_time", "first_token_time", "max_gap",
+                                              "ttft_slo_ms", "tbt_slo_ms", "priority"))
+_NUM_COLUMNS = len(_FIELDS) + 1
+_TOKENS, _PAGES, _COMPUTED, _KIND = (attrgetter(name) for name in ("all_token_ids", "page_ids", "num_computed_tokens",
+                                                                     "kind"))
+
+
+def _read_columns(requests: list[Request]) -> np.ndarray:
+    """``[_NUM_COLUMNS, len(requests)]``: one row per field, one column per request."""
+    n = len(requests)
+    columns = np.empty((_NUM_COLUMNS, n), dtype=np.float64)
+    if n:
+        for row, field in zip(columns, _FIELDS):
+            row[:] = np.array(list(map(field, requests)), dtype=np.float64)
+        columns[-1] = np.fromiter(map(len, map(_TOKENS, requests)), dtype=np.float64, count=n)
+    return columns
+
+
+class WaitingRows:
+    """The waiting requests' columns, carried from one decision to the next.
+
+    A queue of thousands of requests is mostly the same from step to step, and reading a cold Python
+    object costs far more than copying its column: the columns of requests that were already waiting
+    at the previous decision are reused, and only newcomers are read. That is exact because nothing changes
+    a request's tokens, timestamps, SLOs or priority while it waits: it gets tokens only by being
+    admitted, and a request admitted at one decision is running at the next (or was preempted
+    within that decision, before it computed anything). Requests are matched by identity; holding
+    them keeps their ids from being reused by new requests.
+    """
+
+    def __init__(self) -> None:
+        self._requests: list[Request] = []
+        self._index: dict[int, int] = {}  # id(request) -> its column
+        self._columns = np.empty((_NUM_COLUMNS, 0), dtype=np.float64)
+
+    def read(self, waiting: list[Request]) -> np.ndarray:
+        if waiting == self._requests:  # compares identities first: no request is touched
+            return self._columns
+        n = len(waiting)
+        ids = list(map(id, waiting))
+        where = np.fromiter(map(self._index.get, ids, repeat(-1)), dtype=np.int64, count=n)
+        columns = np.empty((_NUM_COLUMNS, n), dtype=np.float64)
+        known = where >= 0
+        columns[:, known] = self._columns[:, where[known]]
+        new = np.flatnonzero(~known)
+        if new.size:
+            columns[:, new] = _read_columns([waiting[i] for i in new.tolist()])
+        self._requests, self._index, self._columns = waiting, dict(zip(ids, range(n))), columns
+        return columns
+
+
+@dataclass(frozen=True)
+class Candidates:
+    requests: list[Request]
+    num_running: int
+    num_tokens: np.ndarray  # known tokens (prompt + generated)
+    mem_kv: np.ndarray  # pages to hold num_tokens + 1 (this step's token) in each kind
+    mem_hidden: np.ndarray
+    num_held: np.ndarray  # pages held now (0 for waiting)
+    is_hidden: np.ndarray  # holds hidden pages now
+    is_decoding: np.ndarray  # running, has a token, one token left to compute
+    num_computed: np.ndarray
+    arrival: np.ndarray
+    pending_s: np.ndarray  # since the last token (since arrival before the first)
+    missed: np.ndarray  # can no longer meet its SLO
+    tbt_slo_ms: np.ndarray
+    urgency: np.ndarray | None  # read only when the value model weighs it
+    importance: np.ndarray | None
+
+    @property
+    def num(self) -> int:
+        return len(self.requests)
+
+    @property
+    def need(self) -> np.ndarray:
+        """Tokens each request holds after this step's token."""
+        return self.num_tokens + 1
+
+    @classmethod
+    def gather(cls, ctx, waiting_rows: WaitingRows | None = None, *, with_urgency: bool = False,
+               with_importance: bool = False) -> Candidates | None:
+        """Read the candidates of ``ctx`` (a ``SchedulingContext``); None when there are none. With
+        ``waiting_rows`` (kept by the caller across decisions), waiting requests seen before are not read."""
+        running = list(ctx.running)
+        if ctx.num_scheduled:
+            running = [r for r in running if not ctx.is_scheduled(r)]
+        waiting = list(ctx.waiting)
+        if not ctx.is_admission_open:
+            waiting = [r for r in waiting if ctx.can_admit(r)]
+        requests = running + waiting
+        n, n_run = len(requests), len(running)
+        if not n:
+            return None
+        now = ctx.now
+        lay = ctx.cache.layout
+        columns = np.concatenate((_read_columns(running), waiting_rows.read(waiting) if waiting_rows is not None
+                                  else _read_columns(waiting)), axis=1)
+        arrival, last, first, max_gap, ttft_ms, tbt_ms, priority, tokens = columns
+        num_tokens = tokens.astype(np.int64)
+        need = num_tokens + 1
+        mem_kv = -(-need // lay.tokens_per_page(CacheKind.KV))
+        mem_hidden = -(-need // lay.tokens_per_page(CacheKind.HIDDEN))
+        # Request.pending_time and Request.has_missed_slo, for all rows at once (comparisons with NaN,
+        # no token yet, are False, as the scalar code's branches).
+        no_token = np.isnan(last)
+        pending_s = np.maximum(0.0, now - np.where(no_token, arrival, last))
+        ttft_s, tbt_s = ttft_ms / 1000.0, tbt_ms / 1000.0
+        with np.errstate(invalid="ignore"):
+            missed = np.where(np.isnan(first), now - arrival > ttft_s,
+                              (first - arrival > ttft_s) | (max_gap > tbt_s) | (now - last > tbt_s))
+
+        num_held = np.zeros(n, dtype=np.int64)
+        is_hidden = np.zeros(n, dtype=bool)
+        num_computed = np.zeros(n, dtype=np.int64)
+        if n_run:
+            num_held[:n_run] = np.fromiter(map(len, map(_PAGES, running)), dtype=np.int64, count=n_run)
+            is_hidden[:n_run] = np.fromiter(map(operator.is_, map(_KIND, running), repeat(CacheKind.HIDDEN)),
+                                            dtype=bool, count=n_run)
+            num_computed[:n_run] = np.fromiter(map(_COMPUTED, running), dtype=np.int64, count=n_run)
+        is_decoding = np.zeros(n, dtype=bool)
+        is_decoding[:n_run] = ~np.isnan(first[:n_run]) & (num_tokens[:n_run] - num_computed[:n_run] == 1)
+
+        urg = imp = None
+        if with_urgency:  # the next deadline: the first token's, then the next gap's (Request.deadline)
+            deadline = np.where(no_token, arrival + ttft_s, last + tbt_s)
+            urg = urgency(now, deadline, np.where(no_token, ttft_ms, tbt_ms) / 1000.0)
+        if with_importance:
+            imp = importance(priority)
+        return cls(requests, n_run, num_tokens, mem_kv, mem_hidden, num_held, is_hidden, is_decoding, num_computed,
+                   arrival, pending_s, missed, tbt_ms, urg, imp)

@@ -1,0 +1,77 @@
+"""What the engine publishes about itself: one step (``StepStats``) and the cache with its queues
+(``CacheStats``).
+
+These are the contract with everything that watches the engine: observers (metrics, the memory
+timeline), the async engine and the engine process (which sends them to its parent every step, so
+they pickle), the benchmark driver. A field is the contract: adding one is compatible, renaming or
+removing one is a change every reader sees. ``CacheStats.as_load()`` is the older dict shape that
+``AsyncLLMEngine.load()`` still reports to the Serve deployments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """The page pool and the queues between two steps (``LLMEngine.cache_stats()``)."""
+
+    num_pages: int
+    num_free_pages: int
+    num_kv_pages: int  # in use, by kind
+    num_hidden_pages: int
+    num_kv_tokens: int  # computed tokens held in those pages
+    num_hidden_tokens: int
+    usage: float  # share of the pool in use
+    cache_ratio: float  # the scheduler's target share of hidden pages
+    hidden_share: float  # the measured share of hidden pages among used ones
+    num_waiting: int
+    num_running: int
+    num_preemptions: int  # since the engine started
+    admission_open: bool  # new requests are admitted (operator / controller and heavy watermark agree)
+    # The geometry: fixed for the engine's life.
+    hidden_supported: bool  # a hidden page holds more tokens than a KV page for this model
+    hidden_allowed: bool  # the engine may use the hidden kind (supported or forced, and switched on)
+    hidden_ratio: float  # bytes of the hidden cache per byte of the KV cache
+    bytes_per_page: int
+    kv_bytes_per_token: int
+    hidden_bytes_per_token: int
+    kv_tokens_per_page: int
+    hidden_tokens_per_page: int
+
+    def as_load(self) -> dict:
+        """The load-report keys of ``AsyncLLMEngine.load()`` (per-kind figures as ``{"kv", "hidden"}``)."""
+        return {
+            "hidden_supported": self.hidden_supported,
+            "hidden_allowed": self.hidden_allowed,
+            "hidden_ratio": self.hidden_ratio,
+            "bytes_per_token": {"kv": self.kv_bytes_per_token, "hidden": self.hidden_bytes_per_token},
+            "tokens_per_page": {"kv": self.kv_tokens_per_page, "hidden": self.hidden_tokens_per_page},
+            "bytes_per_page": self.bytes_per_page,
+            "num_pages": self.num_pages,
+            "num_free_pages": self.num_free_pages,
+            "pages": {"kv": self.num_kv_pages, "hidden": self.num_hidden_pages},
+            "tokens": {"kv": self.num_kv_tokens, "hidden": self.num_hidden_tokens},
+            "usage": self.usage,
+            "cache_ratio": self.cache_ratio,
+            "hidden_share": self.hidden_share,
+            "num_waiting": self.num_waiting,
+            "num_running": self.num_running,
+            "num_preemptions": self.num_preemptions,
+            "admission_open": self.admission_open,
+        }
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One step that ran something (``LLMEngine.last_step``; None after a step with nothing to run)."""
+
+    schedule_s: float  # the scheduling decision, wall time (also under the simulator: what it costs)
+    execute_s: float  # the model runner (upgrades, forward, sampling), on the engine's clock
+    total_s: float  # the whole step (upkeep, schedule, execute, outputs), on the engine's clock
+    num_tokens: int  # tokens computed this step
+    num_seqs: int  # requests in the batch
+    num_upgrades: int  # hidden -> KV upgrades run before the forward pass
+    preempt_causes: tuple[str, ...]  # one per request preempted this step: "memory" or "policy"
+    cache: CacheStats  # after the step: finished requests' pages are back

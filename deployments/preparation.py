@@ -1,0 +1,101 @@
+"""Request preparation: an OpenAI request body -> a validated, tokenised ``EngineRequest`` and its
+admission ticket, or an ``APIError`` (a 4xx naming the field) before any engine sees it.
+
+The checks, in order: the body's shape and types (strict pydantic models), the model's name, the
+prompt or chat template (tokenised here), the context (prompt + ``max_tokens`` within the model's
+context, capped to what one replica's pages hold), then ``SamplingParams``' ranges. Sampling fields the
+request leaves out take the model's generation-config defaults (``model_loader.generation_defaults``),
+then ``SamplingParams``' own.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from apt_serve_ray import SamplingParams
+from apt_serve_ray.llm import apply_chat_template
+from deployments import openai_protocol as oai
+from deployments.admission import Ticket
+from deployments.request_router import request_pages
+from deployments.wire import EngineRequest, LoadReport
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a request may use: the model's context, capped to what one replica's pages can hold with
+    a KV cache (a request larger than the whole pool could never finish)."""
+
+    max_model_len: int
+    tokens_per_page: int  # of a KV page
+
+    @classmethod
+    def from_load(cls, load: LoadReport) -> ModelLimits:
+        return cls(min(load.max_model_len, load.num_pages * load.tokens_per_kv_page), load.tokens_per_kv_page)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A validated request, ready for admission."""
+
+    body: oai.CompletionRequest | oai.ChatCompletionRequest
+    chat: bool
+    request_id: str
+    request: EngineRequest
+    ticket: Ticket
+    created: int = field(default_factory=lambda: int(time.time()))  # the response's ``created``
+    received: float = field(default_factory=time.monotonic)  # when validation began (monotonic)
+
+
+class RequestPreparer:
+    def __init__(self, served_model_name: str, tokenizer, *, sampling_defaults: dict,
+                 default_ttft_slo_ms: float, output_horizon_tokens: int) -> None:
+        """``sampling_defaults``: ``SamplingParams`` keyword arguments for fields a request leaves out."""
+        self.served_model_name = served_model_name
+        self.tokenizer = tokenizer
+        self.sampling_defaults = dict(sampling_defaults)
+        self.default_ttft_slo_s = default_ttft_slo_ms / 1000.0
+        self.horizon = output_horizon_tokens
+
+    def prepare(self, raw: bytes | dict, chat: bool, limits: ModelLimits, received: float) -> Prepared:
+        body = oai.parse_request(oai.ChatCompletionRequest if chat else oai.CompletionRequest, raw)
+        if body.model != self.served_model_name:
+            raise oai.APIError(f"model: the model `{body.model}` does not exist; this server serves "
+                               f"`{self.served_model_name}`", status=404, param="model", code="model_not_found")
+        try:
+            prompt_ids = self.tokenize(body, chat)
+        except ValueError as exc:
+            raise oai.from_value_error(exc) from None
+        room = self.check_context(body, chat, len(prompt_ids), limits.max_model_len)
+        # Chat defaults to the rest of the context, completions to 16 tokens (as OpenAI does).
+        sampling = body.sampling_kwargs(default_max_tokens=room if chat else min(16, room),
+                                        defaults=self.sampling_defaults)
+        try:
+            params = SamplingParams(**sampling)
+        except ValueError as exc:
+            raise oai.from_value_error(exc) from None
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        request = EngineRequest(prompt_ids, params, request_id, **body.scheduling_kwargs())
+        ttft_s = body.ttft_slo_ms / 1000.0 if body.ttft_slo_ms else self.default_ttft_slo_s
+        ticket = Ticket(request_pages(request, limits.tokens_per_page, self.horizon), ttft_s, body.priority or 0)
+        return Prepared(body, chat, request_id, request, ticket, received=received)
+
+    def tokenize(self, body, chat: bool) -> list[int]:
+        if chat:
+            return apply_chat_template(self.tokenizer, body.conversation())
+        prompt = body.single_prompt()
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+    @staticmethod
+    def check_context(body, chat: bool, num_prompt: int, max_len: int) -> int:
+        """The tokens left to generate in, or an APIError when the request cannot fit the context."""
+        if num_prompt >= max_len:
+            raise oai.APIError(f"{'messages' if chat else 'prompt'}: {num_prompt} tokens leave no room to "
+                               f"generate within the model's context of {max_len} tokens",
+                               param="messages" if chat else "prompt", code="context_length_exceeded")
+        if body.max_tokens is not None and num_prompt + body.max_tokens > max_len:
+            raise oai.APIError(f"max_tokens: {num_prompt} prompt tokens + max_tokens {body.max_tokens} exceed the "
+                               f"model's context of {max_len} tokens", param="max_tokens",
+                               code="context_length_exceeded")
+        return max_len - num_prompt

@@ -1,0 +1,173 @@
+"""What the deployments send each other: one frozen dataclass per seam, documented here once.
+
+::
+
+    Router ──EngineRequest──► EngineReplica.generate ──StreamItem… (or one InvalidRequest)──► Router
+    EngineReplica ──LoadReport──► Controller.report ──Knobs──► EngineReplica      (the heartbeat)
+    EngineReplica.record_routing_stats ──LoadReport.to_dict()──► FitAwareRequestRouter
+    Router ──Controller.get_state──► ControllerState (its LoadReports and ControllerDecisions)
+
+A contract is versioned by its fields: a new field gets a default, so that a sender of the previous
+version still makes a valid object. Every object crosses Ray by pickle; the one exception is the load
+report the request router reads, which Serve requires to be a dict (``to_dict``/``from_dict``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from apt_serve_ray.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One request for ``EngineReplica.generate``, validated (``SamplingParams``) and usually tokenised.
+
+    ``priority`` / ``ttft_slo_ms`` / ``tbt_slo_ms``: scheduling hints (None: the engine's defaults).
+    ``trace_context``: a W3C carrier; the engine's span for the request becomes a child of the caller's.
+    """
+
+    prompt: list[int] | str
+    sampling: SamplingParams
+    request_id: str | None = None  # None: the engine makes one
+    priority: int | None = None
+    ttft_slo_ms: float | None = None
+    tbt_slo_ms: float | None = None
+    trace_context: dict[str, str] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sampling, SamplingParams):
+            raise ValueError(f"sampling: must be a SamplingParams, got {type(self.sampling).__name__}")
+
+    @property
+    def num_prompt_tokens(self) -> int | None:
+        """None for a text prompt (not tokenised yet): routing then leaves the choice to Serve."""
+        return None if isinstance(self.prompt, str) else len(self.prompt)
+
+    @property
+    def max_tokens(self) -> int | None:
+        return self.sampling.max_tokens
+
+    def scheduling_kwargs(self) -> dict:
+        """Keyword arguments of ``AsyncLLMEngine.generate`` beyond prompt, sampling and id."""
+        kwargs = {"priority": self.priority, "ttft_slo_ms": self.ttft_slo_ms, "tbt_slo_ms": self.tbt_slo_ms,
+                  "trace_context": self.trace_context or None}
+        return {k: v for k, v in kwargs.items() if v is not None}
+
+
+@dataclass(frozen=True)
+class StreamItem:
+    """One item of a replica's token stream: the text and token ids new since the previous item.
+
+    The first item also carries who serves it and the prompt's size (and ``engine_ttft_s``, the
+    engine's own TTFT, which the router subtracts from the TTFT it sees); the final item carries
+    ``finish_reason`` ("stop" | "length" | "abort" | "error") and the totals. One item may be both.
+    """
+
+    text: str
+    token_ids: tuple[int, ...] = ()
+    # The first item.
+    replica_id: str | None = None
+    num_prompt_tokens: int | None = None
+    engine_ttft_s: float | None = None
+    # The final item.
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_output_tokens: int | None = None
+    error: str | None = None
+    engine_e2e_s: float | None = None
+
+    @property
+    def is_final(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def is_failed(self) -> bool:
+        return self.error is not None or self.finish_reason == "error"
+
+    @staticmethod
+    def merge(items: Sequence[StreamItem]) -> StreamItem:
+        """Items that piled up in transit, as one (``deployments.streaming.coalesced``): texts and token
+        ids concatenate; the other fields are the last item's where it has them, else the first's."""
+        if len(items) == 1:
+            return items[0]
+        first, last = items[0], items[-1]
+        extras = {f.name: getattr(last, f.name) if getattr(last, f.name) is not None else getattr(first, f.name)
+                  for f in dataclasses.fields(StreamItem) if f.name not in ("text", "token_ids")}
+        return StreamItem(text="".join(item.text for item in items),
+                          token_ids=tuple(t for item in items for t in item.token_ids), **extras)
+
+
+@dataclass(frozen=True)
+class InvalidRequest:
+    """The whole stream of a request the engine refused: ``message`` is "field: what is wrong"."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """A replica's load, for the request router (``record_routing_stats``) and the controller (heartbeat)."""
+
+    replica_id: str
+    actor_name: str
+    model: str
+    time: float  # wall clock when taken: the request router compares it with when it routed requests
+    num_pages: int
+    num_free_pages: int
+    # Prompt pages of requests received but not prefilled yet: they hold no pages yet, but will.
+    num_pending_pages: int
+    tokens_per_kv_page: int
+    hidden_allowed: bool  # whether the hidden kind can be used at all (else the ratio has no effect)
+    cache_ratio: float  # the hidden-cache target in force
+    num_running: int
+    num_waiting: int
+    max_num_seqs: int
+    max_model_len: int
+    step_time_ms: float  # mean of the engine's recent steps
+    seed: int
+    num_requests: int
+    num_aborted: int  # callers that went away before the end
+
+    @property
+    def num_used_pages(self) -> int:
+        return self.num_pages - self.num_free_pages
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> LoadReport:
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """The controller's reply to a heartbeat: what every replica applies."""
+
+    cache_ratio: float
+
+
+@dataclass(frozen=True)
+class ControllerDecision:
+    """One change of the cluster's knobs, with why (kept for ``get_state`` and logged)."""
+
+    time: float
+    usage: float
+    cache_ratio: float
+    admission_open: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class ControllerState:
+    """What routers poll: whether to admit, and the replicas' last reports (by replica id)."""
+
+    admission_open: bool
+    cache_ratio: float
+    usage: float  # pages in use / pages, over the replicas that reported recently
+    retry_after_s: float
+    replicas: dict[str, LoadReport] = field(default_factory=dict)
+    decisions: tuple[ControllerDecision, ...] = ()

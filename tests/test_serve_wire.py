@@ -1,0 +1,56 @@
+"""The contracts between the deployments (deployments/wire.py): what crosses Ray between router,
+engine replicas, request router and controller."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+from serve_helpers import load_report
+
+from apt_serve_ray import SamplingParams
+from deployments.wire import (ControllerDecision, ControllerState, EngineRequest, InvalidRequest, Knobs, LoadReport,
+                              StreamItem)
+
+
+def test_every_contract_survives_pickling_as_ray_sends_it():
+    request = EngineRequest([1, 2, 3], SamplingParams(temperature=0, max_tokens=4, stop=["."]), "cmpl-1",
+                            priority=-1, ttft_slo_ms=500.0, trace_context={"traceparent": "00-ab-cd-01"})
+    report = load_report(num_free_pages=100)
+    state = ControllerState(admission_open=False, cache_ratio=0.1, usage=0.95, retry_after_s=2.0,
+                            replicas={"r": report},
+                            decisions=(ControllerDecision(1.0, 0.95, 0.1, False, "usage 0.95 > heavy 0.9"),))
+    objects = [request, StreamItem("a", (5,), replica_id="r", num_prompt_tokens=3), InvalidRequest("prompt: empty"),
+               report, Knobs(cache_ratio=0.2), state]
+    for obj in objects:
+        assert pickle.loads(pickle.dumps(obj)) == obj
+
+
+def test_an_engine_request_knows_its_size_and_scheduling_hints():
+    request = EngineRequest([1] * 7, SamplingParams(max_tokens=9), tbt_slo_ms=50.0)
+    assert request.num_prompt_tokens == 7 and request.max_tokens == 9
+    assert request.scheduling_kwargs() == {"tbt_slo_ms": 50.0}
+    assert EngineRequest("a text prompt", SamplingParams()).num_prompt_tokens is None  # routing leaves it to Serve
+    with pytest.raises(ValueError, match="sampling"):
+        EngineRequest([1], {"temperature": 0})
+
+
+def test_merged_stream_items_keep_the_first_items_header_and_the_last_items_end():
+    first = StreamItem("Hel", (1,), replica_id="r", num_prompt_tokens=4, engine_ttft_s=0.1)
+    middle = StreamItem("lo", (2,))
+    last = StreamItem(" you", (3, 4), finish_reason="length", num_output_tokens=4, engine_ttft_s=0.1, engine_e2e_s=0.5)
+    merged = StreamItem.merge([first, middle, last])
+    assert merged == StreamItem("Hello you", (1, 2, 3, 4), replica_id="r", num_prompt_tokens=4, engine_ttft_s=0.1,
+                                finish_reason="length", num_output_tokens=4, engine_e2e_s=0.5)
+    assert merged.is_final and not merged.is_failed
+    assert StreamItem.merge([middle]) is middle
+    assert StreamItem("", finish_reason="error", error="boom").is_failed
+
+
+def test_a_load_report_goes_through_serves_routing_stats_as_a_dict():
+    report = load_report(num_free_pages=7, num_pending_pages=2)
+    stats = report.to_dict()
+    assert isinstance(stats, dict) and stats["num_free_pages"] == 7
+    assert LoadReport.from_dict(stats) == report and report.num_used_pages == 121
+    with pytest.raises(TypeError):  # a report of another version says so instead of routing on guesses
+        LoadReport.from_dict({**stats, "num_kv_pages": 3})
