@@ -18,7 +18,7 @@ import uuid
 from collections import deque
 from typing import AsyncIterator
 
-from apt_serve_ray.config import EngineConfig
+from apt_serve_ray.config import EngineConfig, check_share
 from apt_serve_ray.engine import LLMEngine
 from apt_serve_ray.engine_process import EngineObservers, EngineProcess, MetricsReplay, attach_observers, timeline_of
 from apt_serve_ray.llm import apply_chat_template
@@ -152,9 +152,7 @@ class AsyncLLMEngine:
 
     # Control --------------------------------------------------------------------------------------
     def set_cache_ratio(self, ratio: float) -> None:
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
-            raise ValueError(f"cache_ratio: must be a number in [0, 1], got {ratio!r}")
-        self._command("ratio", float(ratio))
+        self._command("ratio", check_share("cache_ratio", ratio))  # checked here: the caller gets the error
 
     def set_admission(self, open_: bool) -> None:
         self._command("admission", bool(open_))

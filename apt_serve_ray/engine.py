@@ -16,7 +16,7 @@ import torch
 from apt_serve_ray.cache.cache_manager import CacheManager
 from apt_serve_ray.calibration import measure_costs
 from apt_serve_ray.cache.page_pool import PagePool
-from apt_serve_ray.config import EngineConfig
+from apt_serve_ray.config import EngineConfig, check_share
 from apt_serve_ray.detokenizer import IncrementalDetokenizer
 from apt_serve_ray.model_loader import load_tokenizer, resolve_model
 from apt_serve_ray.model_runner import ModelRunner
@@ -326,9 +326,7 @@ class LLMEngine:
 
     # Knobs and stats ------------------------------------------------------------------------------
     def adjust_cache_ratio(self, ratio: float) -> None:
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
-            raise ValueError(f"cache_ratio: must be a number in [0, 1], got {ratio!r}")
-        self.scheduler.set_cache_ratio(float(ratio))
+        self.scheduler.set_cache_ratio(check_share("cache_ratio", ratio))
         if self.watermarks is not None:
             self.watermarks.base = self.watermarks.ratio = self.scheduler.cache_ratio
 

@@ -214,6 +214,9 @@ def test_async_engine_streams_deltas_and_aborts_on_close(opt_tiny):
         assert load["num_free_pages"] == load["num_pages"]
         with pytest.raises(ValueError, match="max_tokens"):
             SamplingParams(max_tokens=-2)
+        with pytest.raises(ValueError, match="cache_ratio"):  # the caller gets the error, not the loop
+            engine.set_cache_ratio(1.5)
+        assert engine.check_health() is None
     finally:
         engine.shutdown()
 

@@ -56,8 +56,7 @@ class Scheduler:
         return self.cache.pool.num_used(CacheKind.HIDDEN) / used if used else 0.0
 
     def set_cache_ratio(self, ratio: float) -> None:
-        if not 0.0 <= ratio <= 1.0:
-            raise ValueError(f"cache_ratio: must be in [0, 1], got {ratio}")
+        """``ratio``: already checked by whoever took it in (``config.check_share``)."""
         self.cache_ratio = ratio if self.hidden_allowed else 0.0
 
     # One decision ---------------------------------------------------------------------------------
