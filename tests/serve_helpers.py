@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 
@@ -25,3 +26,28 @@ def load_report(**fields):
                     cache_ratio=0.0, num_running=0, num_waiting=0, max_num_seqs=16, max_model_len=2048,
                     step_time_ms=0.0, seed=0, num_requests=0, num_aborted=0)
     return LoadReport(**{**defaults, **fields})
+
+
+def sse_payloads_from(lines) -> list:
+    """The ``data:`` payloads of server-sent event lines (JSON decoded, ``[DONE]`` as is)."""
+    out = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def sse_payloads(response) -> list:
+    """The payloads of an ``httpx`` streaming response."""
+    return sse_payloads_from(response.iter_lines())
+
+
+def assert_openai_error(response, status: int | None = None) -> dict:
+    """An OpenAI error body (``{"error": {message, type, param, code}}``) with a 4xx/5xx status."""
+    assert 400 <= response.status_code < 600, response.text
+    if status is not None:
+        assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from serve_helpers import wait_until
+from serve_helpers import assert_openai_error, sse_payloads, sse_payloads_from, wait_until
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -73,25 +73,6 @@ def replicas() -> dict:
 def all_pages_free() -> bool:
     loads = replicas().values()
     return len(loads) == 2 and all(r.num_free_pages == r.num_pages and r.num_running == 0 for r in loads)
-
-
-def sse_payloads(response: httpx.Response) -> list:
-    """The ``data:`` payloads of a server-sent event stream (JSON decoded, ``[DONE]`` as is)."""
-    out = []
-    for line in response.iter_lines():
-        if line.startswith("data: "):
-            data = line[len("data: "):]
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
-
-
-def assert_openai_error(response: httpx.Response, status: int | None = None) -> dict:
-    assert 400 <= response.status_code < 600, response.text
-    if status is not None:
-        assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    return error
 
 
 def completion(client, model, **fields) -> httpx.Response:
@@ -426,12 +407,3 @@ def test_killed_engine_replica_is_replaced_and_its_requests_fail_cleanly(client,
                timeout=90, interval=0.5)
     served = {completion(client, app, max_tokens=4, seed=i).headers["x-replica-id"] for i in range(8)}
     assert served <= set(replicas())
-
-
-def sse_payloads_from(lines) -> list:
-    out = []
-    for line in lines:
-        if line.startswith("data: "):
-            data = line[len("data: "):]
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
