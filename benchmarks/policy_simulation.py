@@ -7,7 +7,12 @@ is a study tool beside ``serving_policies.py`` (real runs), not a replacement fo
 Default cost model: the one calibrated on this project's 2-core CPU machines for the OPT-125m shape
 in bfloat16 (``apt_serve_ray.calibration``): 19.5 ms per step + 1.13 ms per computed token + 15 us
 per context token of every scheduled request + 139 us per context token of hidden requests (the
-K/V recompute). ``--calibrate PATH`` measures one for a checkpoint instead.
+K/V recompute), measured before the engine's C++ attention kernels. ``--calibrate PATH`` measures
+one for a checkpoint with today's engine instead (what the engine's own ``apt`` measures at start:
+``calibration.measure_costs``), and records it in the JSON.
+
+    python benchmarks/policy_simulation.py --calibrate ~/.cache/apt-serve-ray/opt-125m-bf16 \
+        --rates-sharegpt 1 2 3 4 6 8 --rates-longbench 0.3 0.6 0.9 1.2 1.8 2.4 --json out.json
 """
 
 from __future__ import annotations
@@ -58,10 +63,25 @@ def simulate(policy: str, trace, args, cost: CostModel, rho: float) -> dict:
             "unfinished": sum(not r.is_finished for r in requests)}
 
 
+def calibrated(path: str, dtype: str) -> tuple[CostModel, float]:
+    """The step-time model and rho the engine measures at start for ``apt`` on this checkpoint."""
+    from apt_serve_ray import LLM
+
+    llm = LLM(path, policy="apt", calibrate_rho=True, dtype=dtype, num_threads=1)
+    costs = llm.llm_engine.scheduler.policy.costs
+    st = costs.step_time
+    return CostModel(base_s=st.a, per_token_s=st.b, per_context_s=st.c,
+                     hidden_context_s=st.hidden_seconds_per_token), float(costs.rho or 0.0)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workloads", nargs="+", default=["sharegpt", "longbench"])
     p.add_argument("--rates", type=float, nargs="+", default=None, help="requests/s (default per workload)")
+    p.add_argument("--rates-sharegpt", type=float, nargs="+", default=None)
+    p.add_argument("--rates-longbench", type=float, nargs="+", default=None)
+    p.add_argument("--calibrate", default=None, help="checkpoint to measure the cost model on (default: the stored one)")
+    p.add_argument("--dtype", default="bfloat16", help="of the calibration run")
     p.add_argument("--num-requests", type=int, default=150)
     p.add_argument("--policies", nargs="+", default=list(POLICIES))
     p.add_argument("--num-pages", type=int, default=375, help="16-token KV pages (375 = 6,000 tokens, as the vLLM peer)")
@@ -75,9 +95,14 @@ def main() -> None:
     args = p.parse_args()
     default_rates = {"sharegpt": [0.1, 0.2, 0.3, 0.4, 0.5, 0.8], "longbench": [0.05, 0.1, 0.15, 0.2, 0.3],
                      "humaneval": [0.2, 0.4, 0.6, 0.8, 1.2]}
-    results: dict = {"cost_model": vars(CPU_OPT125M), "rho": RHO_CPU_OPT125M, "runs": {}, "effective_throughput": {}}
+    cost, rho = calibrated(args.calibrate, args.dtype) if args.calibrate else (CPU_OPT125M, RHO_CPU_OPT125M)
+    print(f"cost model: {cost} ; rho {rho * 1e3:.3f} ms per page per step"
+          f" ({'measured on ' + args.calibrate if args.calibrate else 'stored'})")
+    results: dict = {"cost_model": vars(cost), "rho": rho, "calibrated_on": args.calibrate, "dtype": args.dtype,
+                     "runs": {}, "effective_throughput": {}}
     for workload in args.workloads:
-        rates = args.rates or default_rates.get(workload, [0.1, 0.2, 0.4, 0.8])
+        rates = (getattr(args, f"rates_{workload}", None) or args.rates
+                 or default_rates.get(workload, [0.1, 0.2, 0.4, 0.8]))
         print(f"\n{workload}: attainment (preemptions) by rate; SLO TTFT {args.ttft_slo_ms:.0f} ms, "
               f"P99 gap {args.tbt_slo_ms:.0f} ms, {args.num_pages} pages")
         print(f"{'rate':>6} " + " ".join(f"{pol:>16}" for pol in args.policies))
@@ -86,7 +111,7 @@ def main() -> None:
             trace = make_trace(workload, args.num_requests, rate, seed=args.seed, max_model_len=args.max_model_len)
             cells = []
             for pol in args.policies:
-                res = simulate(pol, trace, args, CPU_OPT125M, RHO_CPU_OPT125M)
+                res = simulate(pol, trace, args, cost, rho)
                 results["runs"].setdefault(workload, {}).setdefault(pol, {})[str(rate)] = res
                 points[pol].append((rate, res["attainment"]))
                 cells.append(f"{res['attainment']:>9.2f} ({res['preemptions']:>4})")
