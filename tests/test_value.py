@@ -125,3 +125,39 @@ def test_no_candidates_when_nothing_waits_or_runs():
     config = EngineConfig(policy="apt", calibrate_rho=False)
     sched = Scheduler(config, CacheManager(PagePool(16), MHA_LAYOUT), None, True, 1000)
     assert Candidates.gather(SchedulingContext(sched, 0.0)) is None
+
+
+def test_cached_rows_read_what_a_fresh_read_reads_through_a_run_with_preemptions():
+    """The policy keeps waiting requests' columns between decisions (``WaitingRows``): at every
+    decision of a run under memory pressure (preemptions, re-admissions) they equal a fresh read."""
+    from apt_serve_ray.bench.simulator import CostModel, SimulatedEngine
+
+    config = EngineConfig(policy="apt", calibrate_rho=False, max_num_seqs=8, max_num_batched_tokens=128)
+    policy = AdaptiveScheduler(time_weight=1.0, slo_weight=1.0, priority_weight=0.5, config=config, rho=1e-5,
+                               step_model=CostModel(), evict_missed=True)
+    sim = SimulatedEngine(config, num_pages=24, policy=policy)
+    checked, original = [], Candidates.gather.__func__
+
+    def gather(cls, ctx, waiting_rows=None, **kwargs):
+        cached = original(cls, ctx, waiting_rows, **kwargs)
+        fresh = original(cls, ctx, None, **kwargs)
+        assert (cached is None) == (fresh is None)
+        if cached is not None:
+            assert cached.requests == fresh.requests
+            for name in ("num_tokens", "pending_s", "missed", "tbt_slo_ms", "urgency", "importance", "arrival"):
+                np.testing.assert_array_equal(getattr(cached, name), getattr(fresh, name), err_msg=name)
+            checked.append(cached.num)
+        return cached
+
+    rng = np.random.default_rng(5)
+    try:
+        Candidates.gather = classmethod(gather)
+        for i in range(60):
+            sim.add(int(rng.integers(8, 120)), int(rng.integers(4, 150)), priority=int(rng.integers(0, 3)),
+                    ttft_slo_ms=float(rng.choice([200, 2000])), tbt_slo_ms=float(rng.choice([50, 500])))
+            for _ in range(int(rng.integers(0, 4))):
+                sim.step()
+        sim.run_until_idle()
+    finally:
+        Candidates.gather = classmethod(original)
+    assert len(checked) > 50 and sim.scheduler.num_preemptions > 0
