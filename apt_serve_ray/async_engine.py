@@ -114,7 +114,9 @@ class AsyncLLMEngine:
         **request_options,
     ) -> AsyncIterator[RequestOutput]:
         """Yield one ``RequestOutput`` per new token (``delta_text``/``delta_token_ids`` hold what is
-        new), the last with ``finished=True``. Raises ValueError at once for bad input."""
+        new), the last with ``finished=True``. Raises ValueError at once for bad input.
+        ``request_options``: ``LLMEngine.make_request``'s (``priority``, ``ttft_slo_ms``, ``tbt_slo_ms``,
+        ``trace_context``, ``service_class``)."""
         self.check_health()
         if self.in_process:
             request = self.engine.make_request(prompt, sampling_params, request_id, **request_options)

@@ -50,6 +50,7 @@ class Request:
         tbt_slo_ms: float,
         priority: int = 0,
         trace_context: dict[str, str] | None = None,
+        service_class: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.seq = next(_arrival_order)  # breaks arrival-time ties in FCFS order
@@ -60,6 +61,7 @@ class Request:
         self.tbt_slo_ms = tbt_slo_ms
         self.priority = priority
         self.trace_context = trace_context  # the caller's tracing context (W3C carrier), if any
+        self.service_class = service_class  # the serving app's class name: a metrics label, no policy reads it
         max_new = max_total_tokens - len(self.prompt_token_ids)
         if sampling_params.max_tokens is not None:
             max_new = min(max_new, sampling_params.max_tokens)

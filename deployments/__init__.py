@@ -4,6 +4,7 @@
 - ``wire.py``            what the deployments send each other (request, stream item, load report, ...)
 - ``router.py``          the HTTP ingress (OpenAI API) and Python handle API: endpoints, admission, the engine call
 - ``preparation.py``     an OpenAI body -> a validated, tokenised ``EngineRequest`` and its admission ticket
+- ``service_classes.py`` named SLO targets and priority, chosen per request (field or header)
 - ``responses.py``       stream items -> OpenAI responses, chunks and server-sent events
 - ``openai_protocol.py`` OpenAI request models, error bodies, responses and stream chunks
 - ``admission.py``       score-ordered admission while the engines are saturated

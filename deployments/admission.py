@@ -7,11 +7,14 @@ A request's score is the density of the value model the adaptive policy uses
     value   = time_weight * waited_s + slo_weight * urgency + priority_weight * importance
     density = value / pages ** memory_weight
 
-``urgency`` rises from 0 to 1 over the last ``slack_s`` seconds before the request's TTFT deadline;
+``urgency`` rises from 0 to 1 over the last ``slack_s`` seconds before the request's TTFT deadline
+(by default its whole TTFT target, as in the engine: ``Candidates.gather``);
 ``importance`` is how many priority levels it is ahead of the least important waiting request
 (lower ``priority`` = more important, as in vLLM). Ties go to the earliest arrival, and a request
 that has waited ``max_wait_s`` goes before every scored one, so a large request cannot starve.
-The weights default to ``ADMISSION_WEIGHTS`` (all 1), not to the policy's.
+The weights and ``max_wait_s`` default to the engine's (``ValueWeights()``, ``MAX_WAIT_S``: the ``apt``
+policy's defaults), so the router and the engines order requests by one value model; the app passes
+the policy's weights when the operator sets them (``deployments/app.py``).
 
 "Saturated" means this router already has ``max_in_flight`` requests on the engines (by default
 every replica's ``max_num_seqs``): more would only queue inside an engine, where the router could
@@ -27,9 +30,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from apt_serve_ray.scheduler.value import ValueWeights, importance, urgency
+from apt_serve_ray.scheduler.value import MAX_WAIT_S, ValueWeights, importance, urgency
 
-ADMISSION_WEIGHTS = ValueWeights(time_weight=1.0, memory_weight=1.0, slo_weight=1.0, priority_weight=1.0)
+ADMISSION_WEIGHTS = ValueWeights()  # the engine's value model's defaults
 
 
 @dataclass
@@ -52,7 +55,7 @@ class QueueFull(Exception):
 
 class AdmissionQueue:
     def __init__(self, max_in_flight: int, max_queued: int, weights: ValueWeights = ADMISSION_WEIGHTS,
-                 slack_s: float = 1.0, max_wait_s: float = 30.0) -> None:
+                 slack_s: float | None = None, max_wait_s: float = MAX_WAIT_S) -> None:
         if max_in_flight < 1 or max_queued < 0:
             raise ValueError(f"max_in_flight must be >= 1 and max_queued >= 0, got {max_in_flight}, {max_queued}")
         self.max_in_flight, self.max_queued = max_in_flight, max_queued
@@ -113,6 +116,9 @@ class AdmissionQueue:
         tickets = [t for t, _ in self._waiting]
         w = self.weights
         waited = np.array([max(0.0, now - t.arrival) for t in tickets], dtype=np.float64)
-        urg = urgency(now, [t.deadline for t in tickets], self.slack_s) if w.slo_weight else None
+        urg = None
+        if w.slo_weight:
+            slack = [t.ttft_slo_s for t in tickets] if self.slack_s is None else self.slack_s
+            urg = urgency(now, [t.deadline for t in tickets], slack)
         imp = importance([t.priority for t in tickets]) if w.priority_weight else None
         return w.density(w.value(waited, urg, imp), np.array([t.num_pages for t in tickets], dtype=np.int64))

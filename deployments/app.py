@@ -14,24 +14,33 @@ import typing
 from typing import Annotated, Any, Literal, Optional
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, NonNegativeFloat, PositiveFloat, PositiveInt,
-                      create_model)
+                      create_model, model_validator)
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from apt_serve_ray.config import EngineConfig
 from apt_serve_ray.model_loader import DEFAULT_MODEL
 from apt_serve_ray.scheduler.registry import make_policy
-from apt_serve_ray.scheduler.value import ValueWeights
+from apt_serve_ray.scheduler.value import MAX_WAIT_S, ValueWeights
 from deployments.admission import ADMISSION_WEIGHTS
 from deployments.controller import Controller
 from deployments.engine_replica import EngineReplica
 from deployments.request_router import OUTPUT_HORIZON_TOKENS, FitAwareRequestRouter
 from deployments.router import Router, RouterOptions
+from deployments.service_classes import DEFAULT_SERVICE_CLASS, SERVICE_CLASSES, ServiceClass, ServiceClasses
 
 
 def _admission_weights(value):
-    """Fields left out keep the admission defaults (``ADMISSION_WEIGHTS``), not the value model's."""
+    """Fields left out keep the value model's defaults (``ADMISSION_WEIGHTS``, the engine's too)."""
     return {**dataclasses.asdict(ADMISSION_WEIGHTS), **value} if isinstance(value, dict) else value
+
+
+def admission_weights(args: _AppArgs, config: EngineConfig) -> ValueWeights:
+    """The router's admission weights: the app's ``admission_weights`` if given, else the engine policy's
+    (``policy_weights`` over ``policy_options``), so the router and the engines order by one value model."""
+    if args.admission_weights is not None:
+        return args.admission_weights
+    return ValueWeights.of_policy({**(config.policy_options or {}), **args.policy_weights})
 
 
 # The router's admission weights: the value model's one weights type (apt_serve_ray/scheduler/value.py),
@@ -63,7 +72,7 @@ class _AppArgs(BaseModel):
     # max_hidden_ratio, hidden_ratio_step). policy_weights: the policy's keyword arguments.
     policy_weights: dict[str, float] = Field(default_factory=dict)
     # The engine's step loop in a process of its own, off the replica's GIL (apt_serve_ray/engine_process.py);
-    # measured through Serve on 2 CPU cores: saturated output 188 -> 222 tok/s, TPOT 12.8 -> 11.3 ms.
+    # measured through Serve on 2 CPU cores: saturated output 188 -> 233 tok/s, TPOT 12.8 -> 10.7 ms.
     engine_process: bool = True
     engine_options: dict[str, Any] = Field(default_factory=dict)  # older spelling of engine arguments
     # Controller.
@@ -72,14 +81,23 @@ class _AppArgs(BaseModel):
     # Router: admission and replica choice.
     max_in_flight_per_replica: Optional[PositiveInt] = None  # default: the engine's max_num_seqs
     max_queued_requests: int = Field(1024, ge=0)
-    admission_weights: AdmissionWeights = ADMISSION_WEIGHTS
+    admission_weights: Optional[AdmissionWeights] = None  # None: the engine policy's (``admission_weights``)
     output_horizon_tokens: PositiveInt = OUTPUT_HORIZON_TOKENS
     routing_stats_period_s: PositiveFloat = 1.0
     health_check_period_s: PositiveFloat = 5.0
+    # Service classes (deployments/service_classes.py): named SLO targets and priority, chosen per request
+    # by ``service_class`` / ``x-service-class``; a request that names none gets ``default_service_class``.
+    service_classes: dict[str, ServiceClass] = Field(default_factory=lambda: dict(SERVICE_CLASSES))
+    default_service_class: str = DEFAULT_SERVICE_CLASS
     # Observability: where each process's spans go ("memory" keeps them in the process, for tests),
     # and whether to keep metric values in memory too (``metrics_snapshot()`` on each deployment).
     tracing_exporter: Literal["none", "console", "otlp", "memory"] = "none"
     mirror_metrics: bool = False
+
+    @model_validator(mode="after")
+    def _check_service_classes(self):
+        ServiceClasses(self.service_classes, self.default_service_class)  # raises naming the field
+        return self
 
     def engine_config(self) -> EngineConfig:
         """The replicas' engine config. The controller steers the watermarks cluster-wide, so the
@@ -145,7 +163,9 @@ def build_app(args: AppArgs | dict) -> Application:
         model=args.model, served_model_name=args.served_model_name, tokenizer=args.tokenizer,
         default_ttft_slo_ms=config.default_ttft_slo_ms, output_horizon_tokens=args.output_horizon_tokens,
         max_in_flight=max(1, max_in_flight // args.num_routers), max_queued_requests=args.max_queued_requests,
-        admission_weights=args.admission_weights,
+        admission_weights=admission_weights(args, config),
+        max_wait_s={**(config.policy_options or {}), **args.policy_weights}.get("max_wait_time", MAX_WAIT_S),
+        service_classes=args.service_classes, default_service_class=args.default_service_class,
         poll_interval_s=min(0.25, args.control_interval_s),
         tracing_exporter=args.tracing_exporter, mirror_metrics=args.mirror_metrics, engine_cpus=engine_cpus)
     return Router.options(num_replicas=args.num_routers, ray_actor_options={"num_cpus": args.num_cpus_per_router}

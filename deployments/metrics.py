@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ray.util import metrics as ray_metrics
 
-from apt_serve_ray.observability.metrics import LATENCY_BUCKETS, InMemoryMetrics
+from apt_serve_ray.observability.metrics import LATENCY_BUCKETS, NO_SERVICE_CLASS, InMemoryMetrics
 
 
 class _Recorder:
@@ -78,22 +78,24 @@ def snapshot(backend: RayMetricsBackend) -> dict:
 
 class RouterMetrics:
     """What only the router sees: TTFT from request received to first token delivered, split into the
-    Serve path (router, queues, handle call, stream transport) and the engine; and the requests that
-    never reach or never leave the engine (the engine counts the ones it finishes)."""
+    Serve path (router, queues, handle call, stream transport) and the engine, both by service class; and
+    the requests that never reach or never leave the engine (the engine counts the ones it finishes)."""
 
     def __init__(self, backend: RayMetricsBackend) -> None:
         self.ttft = backend.histogram("apt_serve_ttft_seconds", "Time to first token as the router sees it "
-                                      "(request received -> first token delivered)", LATENCY_BUCKETS)
+                                      "(request received -> first token delivered)", LATENCY_BUCKETS,
+                                      ("service_class",))
         self.serve_path_ttft = backend.histogram(
             "apt_serve_serve_path_ttft_seconds", "The router's TTFT less the engine's (router, admission queue, "
-            "handle call, transport)", LATENCY_BUCKETS)
+            "handle call, transport)", LATENCY_BUCKETS, ("service_class",))
         self.requests = backend.counter("apt_serve_requests_total", "Requests by outcome (the router counts "
                                         "rejected / invalid / error)", ("outcome",))
 
-    def first_token(self, ttft_s: float, engine_ttft_s: float | None) -> None:
-        self.ttft.observe(ttft_s)
+    def first_token(self, ttft_s: float, engine_ttft_s: float | None, service_class: str | None = None) -> None:
+        tags = {"service_class": service_class or NO_SERVICE_CLASS}
+        self.ttft.observe(ttft_s, tags)
         if engine_ttft_s is not None:
-            self.serve_path_ttft.observe(max(0.0, ttft_s - engine_ttft_s))
+            self.serve_path_ttft.observe(max(0.0, ttft_s - engine_ttft_s), tags)
 
     def outcome(self, outcome: str) -> None:
         self.requests.inc(1, {"outcome": outcome})

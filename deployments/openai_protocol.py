@@ -78,6 +78,9 @@ class _SamplingFields(BaseModel):
     logit_bias: dict | None = None
     user: str | None = None
     # Extensions: scheduling hints for the SLO-aware scheduler (lower priority value = served earlier).
+    # ``service_class`` names one of the app's classes (``service_classes.py``); the other three, when
+    # given, override that class's values.
+    service_class: str | None = None
     priority: int | None = None
     ttft_slo_ms: float | None = None
     tbt_slo_ms: float | None = None
@@ -119,6 +122,7 @@ class _SamplingFields(BaseModel):
         return kwargs
 
     def scheduling_kwargs(self) -> dict:
+        """The request's own scheduling hints (not its class's)."""
         return {k: v for k in ("priority", "ttft_slo_ms", "tbt_slo_ms") if (v := getattr(self, k)) is not None}
 
 

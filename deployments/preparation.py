@@ -2,6 +2,8 @@
 admission ticket, or an ``APIError`` (a 4xx naming the field) before any engine sees it.
 
 The checks, in order: the body's shape and types (strict pydantic models), the model's name, the
+service class (``service_classes.py``: the body's ``service_class`` or the ``x-service-class`` header,
+else the default class; its SLOs and priority fill the scheduling hints the request leaves out), the
 prompt or chat template (tokenised here), the context (prompt + ``max_tokens`` within the model's
 context, capped to what one replica's pages hold), then ``SamplingParams``' ranges. Sampling fields the
 request leaves out take the model's generation-config defaults (``model_loader.generation_defaults``),
@@ -19,6 +21,7 @@ from apt_serve_ray.llm import apply_chat_template
 from deployments import openai_protocol as oai
 from deployments.admission import Ticket
 from deployments.request_router import request_pages
+from deployments.service_classes import ServiceClasses
 from deployments.wire import EngineRequest, LoadReport
 
 
@@ -50,19 +53,24 @@ class Prepared:
 
 class RequestPreparer:
     def __init__(self, served_model_name: str, tokenizer, *, sampling_defaults: dict,
-                 default_ttft_slo_ms: float, output_horizon_tokens: int) -> None:
-        """``sampling_defaults``: ``SamplingParams`` keyword arguments for fields a request leaves out."""
+                 default_ttft_slo_ms: float, output_horizon_tokens: int,
+                 service_classes: ServiceClasses | None = None) -> None:
+        """``sampling_defaults``: ``SamplingParams`` keyword arguments for fields a request leaves out;
+        ``default_ttft_slo_ms``: the admission deadline of a request whose class sets no TTFT target."""
         self.served_model_name = served_model_name
         self.tokenizer = tokenizer
         self.sampling_defaults = dict(sampling_defaults)
         self.default_ttft_slo_s = default_ttft_slo_ms / 1000.0
         self.horizon = output_horizon_tokens
+        self.service_classes = service_classes or ServiceClasses()
 
-    def prepare(self, raw: bytes | dict, chat: bool, limits: ModelLimits, received: float) -> Prepared:
+    def prepare(self, raw: bytes | dict, chat: bool, limits: ModelLimits, received: float,
+                service_class_header: str | None = None) -> Prepared:
         body = oai.parse_request(oai.ChatCompletionRequest if chat else oai.CompletionRequest, raw)
         if body.model != self.served_model_name:
             raise oai.APIError(f"model: the model `{body.model}` does not exist; this server serves "
                                f"`{self.served_model_name}`", status=404, param="model", code="model_not_found")
+        service_class = self.service_classes.choose(body.service_class, service_class_header)
         try:
             prompt_ids = self.tokenize(body, chat)
         except ValueError as exc:
@@ -76,9 +84,10 @@ class RequestPreparer:
         except ValueError as exc:
             raise oai.from_value_error(exc) from None
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        request = EngineRequest(prompt_ids, params, request_id, **body.scheduling_kwargs())
-        ttft_s = body.ttft_slo_ms / 1000.0 if body.ttft_slo_ms else self.default_ttft_slo_s
-        ticket = Ticket(request_pages(request, limits.tokens_per_page, self.horizon), ttft_s, body.priority or 0)
+        scheduling = self.service_classes.scheduling(service_class, body.scheduling_kwargs())
+        request = EngineRequest(prompt_ids, params, request_id, service_class=service_class, **scheduling)
+        ttft_s = request.ttft_slo_ms / 1000.0 if request.ttft_slo_ms else self.default_ttft_slo_s
+        ticket = Ticket(request_pages(request, limits.tokens_per_page, self.horizon), ttft_s, request.priority or 0)
         return Prepared(body, chat, request_id, request, ticket, received=received)
 
     def tokenize(self, body, chat: bool) -> list[int]:

@@ -2,8 +2,9 @@
 
 One request's way through it:
 
-1. prepare it (``preparation.py``: validation, tokenising, context checks, the ``EngineRequest`` and
-   its admission ticket), so that every bad input is a 4xx before any engine sees it;
+1. prepare it (``preparation.py``: validation, its service class from the body's ``service_class`` or
+   the ``x-service-class`` header, tokenising, context checks, the ``EngineRequest`` and its admission
+   ticket), so that every bad input is a 4xx before any engine sees it;
 2. refuse with 503 + ``Retry-After`` while the controller has closed admission (heavy watermark);
 3. wait for an in-flight slot in the score-ordered admission queue (429 when that line is full);
 4. stream ``StreamItem``s from an engine replica (``FitAwareRequestRouter`` picks it) and assemble them
@@ -37,14 +38,16 @@ from ray.exceptions import RayError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from apt_serve_ray.model_loader import generation_defaults, load_tokenizer, resolve_model
+from apt_serve_ray.observability.metrics import NO_SERVICE_CLASS
 from apt_serve_ray.observability.tracing import configure_tracing, finished_spans
-from apt_serve_ray.scheduler.value import ValueWeights
+from apt_serve_ray.scheduler.value import MAX_WAIT_S, ValueWeights
 from deployments import openai_protocol as oai
 from deployments import responses
 from deployments.admission import ADMISSION_WEIGHTS, AdmissionQueue, QueueFull
 from deployments.affinity import keep_off_engine_cpus
 from deployments.metrics import RouterMetrics, make_backend, snapshot
 from deployments.preparation import ModelLimits, Prepared, RequestPreparer
+from deployments.service_classes import DEFAULT_SERVICE_CLASS, HEADER, SERVICE_CLASSES, ServiceClass, ServiceClasses
 from deployments.streaming import coalesced
 from deployments.wire import ControllerState, EngineRequest, InvalidRequest, StreamItem
 
@@ -66,7 +69,11 @@ class RouterOptions(BaseModel):
     max_in_flight: PositiveInt  # requests this router lets through to the engines at once
     max_queued_requests: NonNegativeInt  # requests waiting for a slot before new ones get 429
     admission_weights: ValueWeights = ADMISSION_WEIGHTS  # the admission score's (``admission.py``)
-    urgency_slack_s: PositiveFloat = 1.0
+    service_classes: dict[str, ServiceClass] = SERVICE_CLASSES  # checked by ``ServiceClasses``
+    default_service_class: str = DEFAULT_SERVICE_CLASS
+    # None: a request's urgency rises over its whole TTFT target, as in the engine's value model.
+    urgency_slack_s: Optional[PositiveFloat] = None
+    max_wait_s: PositiveFloat = MAX_WAIT_S  # a request waiting this long is admitted first (apt's max_wait_time)
     poll_interval_s: PositiveFloat = 0.25  # how often the controller's state is read
     tracing_exporter: Literal["none", "console", "otlp", "memory"] = "none"
     mirror_metrics: bool = False
@@ -100,9 +107,10 @@ class Router:
             logger.info("router: sampling defaults from the model's generation config: %s", defaults)
         self.preparer = RequestPreparer(
             self.served_model_name, load_tokenizer(source, options.tokenizer), sampling_defaults=defaults,
-            default_ttft_slo_ms=options.default_ttft_slo_ms, output_horizon_tokens=options.output_horizon_tokens)
+            default_ttft_slo_ms=options.default_ttft_slo_ms, output_horizon_tokens=options.output_horizon_tokens,
+            service_classes=ServiceClasses(options.service_classes, options.default_service_class))
         self.admission = AdmissionQueue(options.max_in_flight, options.max_queued_requests,
-                                        options.admission_weights, options.urgency_slack_s)
+                                        options.admission_weights, options.urgency_slack_s, options.max_wait_s)
         self.created = int(time.time())
         self.state: ControllerState | None = None
         self.state_time = 0.0
@@ -161,7 +169,7 @@ class Router:
 
     async def _http(self, request: Request, chat: bool):
         try:
-            prepared = await self.prepare(await request.body(), chat)
+            prepared = await self.prepare(await request.body(), chat, request.headers.get(HEADER))
             items = self._generate(prepared)
             first = await anext(items)
         except oai.APIError as exc:
@@ -177,7 +185,8 @@ class Router:
 
     # Python handle API ----------------------------------------------------------------------------
     async def completions(self, body: dict) -> dict:
-        """``handle.completions.remote({...}).result()``: one OpenAI completion response."""
+        """``handle.completions.remote({...}).result()``: one OpenAI completion response. The body is the
+        HTTP body (the service class too: ``"service_class": "interactive"``)."""
         return await self._handle_call(body, chat=False)
 
     async def chat(self, body: dict) -> dict:
@@ -215,10 +224,10 @@ class Router:
         return finished_spans()
 
     # Preparation ----------------------------------------------------------------------------------
-    async def prepare(self, raw: bytes | dict, chat: bool) -> Prepared:
+    async def prepare(self, raw: bytes | dict, chat: bool, service_class_header: str | None = None) -> Prepared:
         received = time.monotonic()
         try:
-            return self.preparer.prepare(raw, chat, await self.model_limits(), received)
+            return self.preparer.prepare(raw, chat, await self.model_limits(), received, service_class_header)
         except oai.APIError:
             self.metrics.outcome("invalid")
             raise
@@ -256,7 +265,8 @@ class Router:
         """Engine items for one request, after admission, in a "router.request" span when tracing."""
         span, request = None, prepared.request
         if self.tracer is not None:
-            span = self.tracer.start_span("router.request", attributes={"request.id": prepared.request_id})
+            span = self.tracer.start_span("router.request", attributes={
+                "request.id": prepared.request_id, "request.service_class": request.service_class or NO_SERVICE_CLASS})
             carrier: dict[str, str] = {}
             inject(carrier, context=trace.set_span_in_context(span))
             request = dataclasses.replace(request, trace_context=carrier)
@@ -298,7 +308,8 @@ class Router:
                     if isinstance(item, InvalidRequest):
                         raise oai.from_value_error(ValueError(item.message))
                     if not started:
-                        self.metrics.first_token(time.monotonic() - prepared.received, item.engine_ttft_s)
+                        self.metrics.first_token(time.monotonic() - prepared.received, item.engine_ttft_s,
+                                                 request.service_class)
                         if span is not None:
                             span.add_event("first_token")
                     started, finished = True, item.is_final

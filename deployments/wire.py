@@ -27,6 +27,8 @@ class EngineRequest:
 
     ``priority`` / ``ttft_slo_ms`` / ``tbt_slo_ms``: scheduling hints (None: the engine's defaults).
     ``trace_context``: a W3C carrier; the engine's span for the request becomes a child of the caller's.
+    ``service_class``: the app's class the router resolved the hints from (``service_classes.py``); to
+    the engine only a label for its metrics (None: "none").
     """
 
     prompt: list[int] | str
@@ -36,6 +38,7 @@ class EngineRequest:
     ttft_slo_ms: float | None = None
     tbt_slo_ms: float | None = None
     trace_context: dict[str, str] | None = None
+    service_class: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.sampling, SamplingParams):
@@ -53,7 +56,7 @@ class EngineRequest:
     def scheduling_kwargs(self) -> dict:
         """Keyword arguments of ``AsyncLLMEngine.generate`` beyond prompt, sampling and id."""
         kwargs = {"priority": self.priority, "ttft_slo_ms": self.ttft_slo_ms, "tbt_slo_ms": self.tbt_slo_ms,
-                  "trace_context": self.trace_context or None}
+                  "trace_context": self.trace_context or None, "service_class": self.service_class}
         return {k: v for k, v in kwargs.items() if v is not None}
 
 

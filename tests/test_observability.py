@@ -28,17 +28,85 @@ def test_metrics_have_the_right_values_for_a_scripted_run(opt_tiny):
     while engine.has_unfinished_requests():
         engine.step()
     tags = {"model": "opt-tiny", "replica": "r0"}
-    assert backend.get("apt_serve_requests_total", **tags, outcome="length") == 3
-    assert backend.get("apt_serve_requests_total", **tags, outcome="abort") == 1
-    assert backend.get("apt_serve_slo_total", **tags, result="met") == 3
-    preemptions = backend.get("apt_serve_preemptions_total", **tags, cause="memory")
+    per_request = {**tags, "service_class": "none"}  # these requests name no service class
+    assert backend.get("apt_serve_requests_total", **per_request, outcome="length") == 3
+    assert backend.get("apt_serve_requests_total", **per_request, outcome="abort") == 1
+    assert backend.get("apt_serve_slo_total", **per_request, result="met") == 3
+    preemptions = backend.get("apt_serve_preemptions_total", **per_request, cause="memory")
     assert preemptions == engine.scheduler.num_preemptions > 0
-    assert len(backend.get("apt_serve_engine_ttft_seconds", **tags)) == 3
-    assert len(backend.get("apt_serve_inter_token_gap_seconds", **tags)) == 3 * 29
+    assert len(backend.get("apt_serve_engine_ttft_seconds", **per_request)) == 3
+    assert len(backend.get("apt_serve_inter_token_gap_seconds", **per_request)) == 3 * 29
     assert backend.get("apt_serve_cache_pages", **tags, kind="free") == 12
     assert backend.get("apt_serve_requests_running", **tags) == 0
     assert len(backend.get("apt_serve_scheduler_seconds", **tags)) == engine.num_steps
     assert ids
+
+
+def test_per_request_metrics_are_kept_per_service_class():
+    """EngineMetrics on finished requests alone (a fake request, no engine): attainment, TTFT and
+    queue time land under the request's class; the step gauges carry no class."""
+    from types import SimpleNamespace
+
+    from apt_serve_ray.observability import RequestEvent
+    from apt_serve_ray.request import Request, RequestStatus
+
+    backend = InMemoryMetrics()
+    metrics = EngineMetrics(backend, model="m", replica="r")
+
+    def finish(service_class, ttft_s, ttft_slo_ms):
+        request = Request("r", [1, 2], SamplingParams(max_tokens=2), arrival_time=0.0, max_total_tokens=64,
+                          ttft_slo_ms=ttft_slo_ms, tbt_slo_ms=1_000, service_class=service_class)
+        request.first_scheduled_time = 0.25
+        for t in (ttft_s, ttft_s + 0.1):
+            request.append_output_token(7, t)
+        request.status, request.finish_time = RequestStatus.FINISHED_LENGTH, ttft_s + 0.1
+        metrics.on_request_event(request, RequestEvent.FINISHED, ttft_s + 0.1, {})
+
+    finish("interactive", 0.5, 1_000)  # met
+    finish("interactive", 2.0, 1_000)  # missed its 1 s TTFT
+    finish("batch", 2.0, 30_000)       # the same TTFT meets batch's 30 s
+    finish(None, 0.5, 10_000)
+
+    def slo(service_class):
+        return {result: backend.get("apt_serve_slo_total", model="m", replica="r", service_class=service_class,
+                                    result=result) for result in ("met", "missed_ttft")}
+
+    assert slo("interactive") == {"met": 1, "missed_ttft": 1}
+    assert slo("batch") == {"met": 1, "missed_ttft": None} and slo("none")["met"] == 1
+    assert backend.get("apt_serve_engine_ttft_seconds", model="m", replica="r", service_class="interactive") == [0.5, 2.0]
+    assert backend.get("apt_serve_queue_time_seconds", model="m", replica="r", service_class="batch") == [0.25]
+    assert backend.get("apt_serve_requests_total", model="m", replica="r", service_class="batch", outcome="length") == 1
+    metrics.on_step(None, SimpleNamespace(cache=SimpleNamespace(
+        num_waiting=0, num_running=0, num_kv_pages=0, num_hidden_pages=0, num_free_pages=4, cache_ratio=0.0,
+        hidden_share=0.0, usage=0.0), schedule_s=0.001, total_s=0.01), 1.0)
+    assert backend.get("apt_serve_requests_waiting", model="m", replica="r") == 0
+
+
+def test_a_requests_service_class_reaches_its_span_and_log_line(opt_tiny, caplog):
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    llm = LLM(opt_tiny, dtype="float32", num_pages=12)
+    engine = llm.llm_engine
+    engine.add_observer(RequestTracer(provider))
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    with caplog.at_level(logging.INFO, logger="apt_serve_ray.requests"):
+        engine.add_request([5, 6, 7], params, "a", service_class="batch", priority=10)
+        engine.add_request([5, 6, 7], params, "b")
+        while engine.has_unfinished_requests():
+            engine.step()
+    spans = {s.attributes["request.id"]: s.attributes for s in exporter.get_finished_spans()}
+    assert spans["a"]["request.service_class"] == "batch" and spans["a"]["request.priority"] == 10
+    assert spans["b"]["request.service_class"] == "none"
+    lines = {line["request_id"]: line for line in (json.loads(r.message) for r in caplog.records
+                                                   if r.name == "apt_serve_ray.requests")}
+    assert lines["a"]["service_class"] == "batch" and lines["b"]["service_class"] is None
+    with pytest.raises(ValueError, match="service_class"):
+        engine.make_request([5], params, service_class=3)
 
 
 def test_request_spans_are_children_of_the_callers_span(opt_tiny):

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from serve_helpers import load_report, wait_until
+from serve_helpers import assert_openai_error, load_report, wait_until
 
 APP = "apt-obs"
 PREFIX = "/obs"
@@ -75,7 +75,11 @@ def completion(client, model, **fields) -> httpx.Response:
 
 
 def outcomes(snapshot: dict) -> dict:
-    return {s["tags"]["outcome"]: s["value"] for s in snapshot.get("apt_serve_requests_total", [])}
+    """Requests by outcome, summed over the other tags (service class, ...)."""
+    counts: dict = {}
+    for s in snapshot.get("apt_serve_requests_total", []):
+        counts[s["tags"]["outcome"]] = counts.get(s["tags"]["outcome"], 0) + s["value"]
+    return counts
 
 
 def values(snapshot: dict, name: str) -> list:
@@ -97,6 +101,9 @@ def test_requests_are_counted_by_outcome_where_they_end(scripted_run, app):
     assert sum(values(engine, "apt_serve_slo_total")) == scripted_run["num_finished"]
     kinds = {s["tags"]["kind"] for s in engine["apt_serve_cache_pages"]}
     assert kinds == {"kv", "hidden", "free"}
+    # The scripted requests name no service class: they are the default class's, on both sides.
+    assert {s["tags"]["service_class"] for s in engine["apt_serve_slo_total"]} == {"default"}
+    assert {s["tags"]["service_class"] for s in router["apt_serve_ttft_seconds"]} == {"default"}
 
 
 @pytest.mark.ray
@@ -158,6 +165,40 @@ def test_one_trace_per_request_across_the_handle_call(scripted_run):
         assert parent["events"] == ["admitted", "first_token"]
 
 
+# Service classes --------------------------------------------------------------------------------
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_a_request_gets_its_service_classs_slos_by_header_or_body_field(client, app, scripted_run):
+    def engine_span(response):
+        assert response.status_code == 200, response.text
+        request_id = response.json()["id"]
+        spans = wait_until(lambda: [s for s in call("EngineReplica", "finished_spans")
+                                    if s["name"] == "engine.request" and s["attributes"]["request.id"] == request_id],
+                           "the engine's span for the request ends")
+        return spans[0]["attributes"]
+
+    def slo_count(service_class) -> float:
+        return sum(s["value"] for s in call("EngineReplica", "metrics_snapshot").get("apt_serve_slo_total", [])
+                   if s["tags"]["service_class"] == service_class)
+
+    batch = engine_span(client.post("/v1/completions", headers={"x-service-class": "batch"}, json={
+        "model": app, "prompt": "The quick brown fox", "max_tokens": 3, "ignore_eos": True}))
+    assert (batch["request.service_class"], batch["request.priority"], batch["slo.ttft_ms"], batch["slo.tbt_ms"]) == (
+        "batch", 10, 30_000, 1_000)
+    # The body's field chooses too, and the request's own ttft_slo_ms overrides its class's.
+    interactive = engine_span(completion(client, app, max_tokens=3, service_class="interactive", ttft_slo_ms=5_000))
+    assert (interactive["request.service_class"], interactive["request.priority"], interactive["slo.ttft_ms"],
+            interactive["slo.tbt_ms"]) == ("interactive", 0, 5_000, 100)
+    wait_until(lambda: slo_count("interactive") == 1, "the engine counts the interactive request under its class")
+    router_classes = {s["tags"]["service_class"] for s in call("Router", "metrics_snapshot")["apt_serve_ttft_seconds"]}
+    assert router_classes == {"batch", "default", "interactive"}  # earlier requests name no class
+
+    unknown = client.post("/v1/completions", headers={"x-service-class": "gold"},
+                          json={"model": app, "prompt": "x", "max_tokens": 1})
+    error = assert_openai_error(unknown, 400)
+    assert error["param"] == "x-service-class" and "['batch', 'default', 'interactive']" in error["message"]
+
+
 # Memory timeline --------------------------------------------------------------------------------
 @pytest.mark.ray
 @pytest.mark.timeout(300)
@@ -192,4 +233,8 @@ def test_grafana_dashboard_queries_only_metrics_we_define():
                    "apt_serve_cache_pages", "apt_serve_hidden_target_ratio", "apt_serve_controller_actions_total"):
         assert needed in queried
     assert any("histogram_quantile" in e for e in exprs)
+    # Per service class: attainment, TTFT and queue time.
+    by_class = {m for e in exprs if "by (service_class" in e or "by (le, service_class" in e
+                for m in re.findall(r"ray_(apt_serve_[a-z0-9_]+?)(?:_bucket)?\{", e)}
+    assert {"apt_serve_slo_total", "apt_serve_ttft_seconds", "apt_serve_queue_time_seconds"} <= by_class
     assert "grafana_dashboard.json" in (ROOT / "k8s/README.md").read_text()

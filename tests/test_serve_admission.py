@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from apt_serve_ray.scheduler.value import ValueWeights
+from apt_serve_ray.scheduler.policies.apt import AdaptiveScheduler
+from apt_serve_ray.scheduler.value import MAX_WAIT_S, ValueWeights
 from deployments.admission import ADMISSION_WEIGHTS, AdmissionQueue, QueueFull, Ticket
 
 
@@ -61,6 +62,28 @@ async def test_priority_and_slo_urgency_move_requests_ahead():
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("policy_weights, expected", [({}, [1, 0]), ({"priority_weight": 0.0}, [0, 1])])
+async def test_admission_orders_by_the_engine_policys_weights(policy_weights, expected):
+    from deployments.app import AppArgs, admission_weights
+
+    args = AppArgs(policy="apt", policy_weights=policy_weights)
+    now = time.monotonic()
+    # The second is 5 levels more important (10 s of waiting at the default priority_weight), 3 s newer.
+    tickets = [Ticket(4, 60, priority=5, arrival=now - 3.0), Ticket(4, 60, priority=0, arrival=now)]
+    queue = AdmissionQueue(1, 10, admission_weights(args, args.engine_config()))
+    assert await admitted_order(queue, tickets) == expected
+
+
+@pytest.mark.asyncio
+async def test_admission_urgency_rises_over_the_whole_ttft_target_as_in_the_engine():
+    now = time.monotonic()
+    # The second has 1.1 s left of a 2 s target: urgency 0.45 over its target, 0 over a 1 s slack.
+    tickets = [Ticket(4, 60, arrival=now - 1.0), Ticket(4, 2.0, arrival=now - 0.9)]
+    assert await admitted_order(AdmissionQueue(1, 10), list(tickets)) == [1, 0]
+    assert await admitted_order(AdmissionQueue(1, 10, slack_s=1.0), list(tickets)) == [0, 1]
+
+
+@pytest.mark.asyncio
 async def test_a_request_waiting_past_max_wait_goes_first():
     now = time.monotonic()
     tickets = [Ticket(1000, 60, arrival=now - 31), Ticket(1, 60, arrival=now)]
@@ -83,21 +106,25 @@ async def test_a_caller_that_leaves_the_line_gives_its_place_up():
     assert queue.num_in_flight == 1
 
 
-def test_admission_weights_are_the_value_models_weights_with_all_terms_on_by_default():
+def test_admission_defaults_are_the_engines_value_model():
     assert isinstance(ADMISSION_WEIGHTS, ValueWeights)
-    assert ADMISSION_WEIGHTS == ValueWeights(time_weight=1, memory_weight=1, slo_weight=1, priority_weight=1)
-    assert AdmissionQueue(1, 0).weights == ADMISSION_WEIGHTS
+    assert ADMISSION_WEIGHTS == ValueWeights() == AdaptiveScheduler().weights
+    queue = AdmissionQueue(1, 0)
+    assert queue.weights == ADMISSION_WEIGHTS and queue.max_wait_s == AdaptiveScheduler().max_wait_time == MAX_WAIT_S
 
 
 def test_the_app_argument_is_validated_by_the_one_weights_type():
     from pydantic import ValidationError
 
-    from deployments.app import AppArgs
+    from deployments.app import AppArgs, admission_weights
 
-    assert AppArgs().admission_weights == ADMISSION_WEIGHTS
-    # Fields left out keep the admission defaults, not the value model's (slo and priority off).
-    partial = AppArgs(admission_weights={"time_weight": 2.0}).admission_weights
-    assert partial == ValueWeights(time_weight=2.0, memory_weight=1.0, slo_weight=1.0, priority_weight=1.0)
+    # Not given: the engine policy's weights, from policy_weights over policy_options.
+    args = AppArgs(policy_options={"slo_weight": 0.5, "priority_weight": 4.0}, policy_weights={"priority_weight": 3.0})
+    assert admission_weights(args, args.engine_config()) == ValueWeights(slo_weight=0.5, priority_weight=3.0)
+    assert admission_weights(AppArgs(), AppArgs().engine_config()) == ADMISSION_WEIGHTS
+    # Given: an override; the fields left out keep the value model's defaults.
+    partial = AppArgs(admission_weights={"time_weight": 2.0})
+    assert admission_weights(partial, partial.engine_config()) == ValueWeights(time_weight=2.0)
     for bad, field in (({"slo_weight": -1}, "slo_weight"), ({"memory_weight": float("nan")}, "memory_weight"),
                        ({"urgency_weight": 1}, "urgency_weight")):
         with pytest.raises(ValidationError, match=field):

@@ -202,7 +202,7 @@ def test_python_handles(app):
         {"model": app, "prompt": "Hello", "max_tokens": 5, "temperature": 0, "ignore_eos": True}))
     assert "".join(c["choices"][0]["text"] for c in chunks) == body["choices"][0]["text"]
     chat = handle.chat.remote({"model": app, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
-                               "ignore_eos": True}).result()
+                               "ignore_eos": True, "service_class": "interactive"}).result()
     assert chat["choices"][0]["message"]["role"] == "assistant" and chat["usage"]["completion_tokens"] == 4
     deltas = list(handle.options(stream=True).chat_stream.remote(
         {"model": app, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "ignore_eos": True,
@@ -249,6 +249,8 @@ BAD_REQUESTS = [
     ("tbt_slo_ms not a number", "/v1/chat/completions", {"model": "{m}", "messages": [{"role": "user", "content": "x"}],
                                                          "tbt_slo_ms": "fast"}, 400, "tbt_slo_ms"),
     ("stop not strings", "/v1/completions", {"model": "{m}", "prompt": "x", "stop": [1, 2]}, 400, "stop"),
+    ("unknown service class", "/v1/completions", {"model": "{m}", "prompt": "x", "service_class": "gold"}, 400,
+     "service_class"),
 ]
 
 

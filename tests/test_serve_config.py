@@ -62,6 +62,10 @@ def test_build_app_returns_an_application_with_the_three_deployments():
     ({"hidden_ratio_step": 0}, "hidden_ratio_step"),
     ({"policy": "apt", "policy_weights": {"slo_weight": -1}}, "slo_weight"),
     ({"policy": "sarathi", "policy_weights": {"slo_weight": 1}}, "sarathi"),
+    ({"default_service_class": "gold"}, "default_service_class"),
+    ({"service_classes": {"gold": {"ttft_slo_ms": -1}}, "default_service_class": "gold"}, "ttft_slo_ms"),
+    ({"service_classes": {"gold": {"ttft": 100}}, "default_service_class": "gold"}, "ttft"),
+    ({"service_classes": {"gold": {"priority": "high"}}, "default_service_class": "gold"}, "priority"),
 ])
 def test_bad_app_args_name_the_field(args, field):
     from deployments.app import build_app
@@ -98,3 +102,18 @@ def test_the_watermarks_have_one_default_and_the_app_passes_its_own_to_the_engin
     assert EngineConfig().max_hidden_ratio == watermarks.Watermarks().cap == watermarks.MAX_HIDDEN_RATIO
     chosen = AppArgs.model_validate({"light_watermark": 0.6, "heavy_watermark": 0.85}).engine_config()
     assert (chosen.light_watermark, chosen.heavy_watermark) == (0.6, 0.85)  # the controller's and the timeline's
+
+
+def test_the_shipped_service_classes_and_the_default_one():
+    from deployments.app import AppArgs
+    from deployments.service_classes import ServiceClass
+
+    (app,) = load_config()["applications"]
+    args = AppArgs.model_validate(app["args"])
+    assert args.service_classes == {"default": ServiceClass(),
+                                    "interactive": ServiceClass(ttft_slo_ms=1000, tbt_slo_ms=100, priority=0),
+                                    "batch": ServiceClass(ttft_slo_ms=30000, tbt_slo_ms=1000, priority=10)}
+    # A request that names no class keeps the engine's configured default_* targets, as before classes.
+    assert args.default_service_class == "default" == AppArgs.model_validate({}).default_service_class
+    own = AppArgs.model_validate({"service_classes": {"gold": {"priority": -1}}, "default_service_class": "gold"})
+    assert own.service_classes == {"gold": ServiceClass(priority=-1)}  # replaces the shipped ones

@@ -7,6 +7,7 @@ import pytest
 
 from deployments import openai_protocol as oai
 from deployments.preparation import ModelLimits, RequestPreparer
+from deployments.service_classes import ServiceClass, ServiceClasses
 
 LIMITS = ModelLimits(max_model_len=100, tokens_per_page=16)
 
@@ -18,10 +19,11 @@ class FakeTokenizer:
         return [ord(c) for c in text]
 
 
-def prepare(body: dict, chat: bool = False, **sampling_defaults):
+def prepare(body: dict, chat: bool = False, header: str | None = None, classes: ServiceClasses | None = None,
+            **sampling_defaults):
     preparer = RequestPreparer("m", FakeTokenizer(), sampling_defaults=sampling_defaults,
-                               default_ttft_slo_ms=10_000.0, output_horizon_tokens=64)
-    return preparer.prepare({"model": "m", **body}, chat, LIMITS, received=1.0)
+                               default_ttft_slo_ms=10_000.0, output_horizon_tokens=64, service_classes=classes)
+    return preparer.prepare({"model": "m", **body}, chat, LIMITS, received=1.0, service_class_header=header)
 
 
 def test_a_completion_becomes_a_tokenised_engine_request_and_its_ticket():
@@ -29,7 +31,9 @@ def test_a_completion_becomes_a_tokenised_engine_request_and_its_ticket():
     request = prepared.request
     assert prepared.request_id.startswith("cmpl-") and request.request_id == prepared.request_id
     assert request.prompt == [ord(c) for c in "hello"] and request.num_prompt_tokens == 5
-    assert request.max_tokens == 20 and request.scheduling_kwargs() == {"priority": 2, "ttft_slo_ms": 500}
+    # The request's own priority and TTFT target; the default class sets nothing (the engine's defaults).
+    assert request.max_tokens == 20 and request.scheduling_kwargs() == {
+        "priority": 2, "ttft_slo_ms": 500, "service_class": "default"}
     assert (prepared.ticket.num_pages, prepared.ticket.ttft_slo_s, prepared.ticket.priority) == (2, 0.5, 2)
     assert prepared.received == 1.0
     assert prepare({"prompt": "hello"}).request.max_tokens == 16  # OpenAI's default for completions
@@ -58,3 +62,51 @@ def test_a_chat_request_for_a_model_without_a_chat_template_is_refused():
     with pytest.raises(oai.APIError) as info:
         prepare({"messages": [{"role": "user", "content": "hi"}]}, chat=True)
     assert info.value.param == "messages"
+
+
+# Service classes --------------------------------------------------------------------------------
+def hints(prepared) -> tuple:
+    r, t = prepared.request, prepared.ticket
+    return r.service_class, r.priority, r.ttft_slo_ms, r.tbt_slo_ms, t.priority, t.ttft_slo_s
+
+
+def test_a_request_chooses_its_class_by_field_or_header_else_gets_the_default():
+    assert hints(prepare({"prompt": "hi"})) == ("default", None, None, None, 0, 10.0)  # the engine's defaults
+    assert hints(prepare({"prompt": "hi"}, header="batch")) == ("batch", 10, 30_000, 1_000, 10, 30.0)
+    assert hints(prepare({"prompt": "hi"}, header="interactive")) == ("interactive", 0, 1_000, 100, 0, 1.0)
+    assert hints(prepare({"prompt": "hi", "service_class": "interactive"})) == ("interactive", 0, 1_000, 100, 0, 1.0)
+    both = prepare({"prompt": "hi", "service_class": "interactive"}, header="interactive")
+    assert both.request.service_class == "interactive"
+
+
+def test_the_requests_own_hints_override_its_classs_and_unset_ones_fall_to_the_engine():
+    prepared = prepare({"prompt": "hi", "service_class": "interactive", "priority": 3, "tbt_slo_ms": 250})
+    assert hints(prepared) == ("interactive", 3, 1_000, 250, 3, 1.0)
+    # A class that leaves a field out leaves it to the engine's default_* (and the router's default TTFT).
+    classes = ServiceClasses({"bulk": ServiceClass(priority=5)}, default="bulk")
+    prepared = prepare({"prompt": "hi"}, classes=classes)
+    assert prepared.request.scheduling_kwargs() == {"priority": 5, "service_class": "bulk"}
+    assert prepared.ticket.ttft_slo_s == 10.0
+
+
+@pytest.mark.parametrize("body, header, param", [
+    ({"service_class": "gold"}, None, "service_class"),
+    ({}, "gold", "x-service-class"),
+    ({"service_class": "batch"}, "interactive", "service_class"),  # two different names
+    ({"service_class": 1}, None, "service_class"),
+])
+def test_an_unknown_or_ambiguous_class_is_a_400_naming_the_field_and_the_valid_names(body, header, param):
+    with pytest.raises(oai.APIError) as info:
+        prepare({"prompt": "hi", **body}, header=header)
+    assert (info.value.status, info.value.param) == (400, param)
+    if "gold" in (body.get("service_class"), header):
+        assert "['batch', 'default', 'interactive']" in info.value.message
+
+
+@pytest.mark.parametrize("classes, default, field", [
+    ({"batch": ServiceClass()}, "interactive", "default_service_class"),
+    ({"no spaces": ServiceClass()}, "no spaces", "service_classes"),
+])
+def test_service_classes_are_checked_once_naming_the_field(classes, default, field):
+    with pytest.raises(ValueError, match=field):
+        ServiceClasses(classes, default)

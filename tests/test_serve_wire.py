@@ -15,7 +15,8 @@ from deployments.wire import (ControllerDecision, ControllerState, EngineRequest
 
 def test_every_contract_survives_pickling_as_ray_sends_it():
     request = EngineRequest([1, 2, 3], SamplingParams(temperature=0, max_tokens=4, stop=["."]), "cmpl-1",
-                            priority=-1, ttft_slo_ms=500.0, trace_context={"traceparent": "00-ab-cd-01"})
+                            priority=-1, ttft_slo_ms=500.0, trace_context={"traceparent": "00-ab-cd-01"},
+                            service_class="interactive")
     report = load_report(num_free_pages=100)
     state = ControllerState(admission_open=False, cache_ratio=0.1, usage=0.95, retry_after_s=2.0,
                             replicas={"r": report},
@@ -29,7 +30,9 @@ def test_every_contract_survives_pickling_as_ray_sends_it():
 def test_an_engine_request_knows_its_size_and_scheduling_hints():
     request = EngineRequest([1] * 7, SamplingParams(max_tokens=9), tbt_slo_ms=50.0)
     assert request.num_prompt_tokens == 7 and request.max_tokens == 9
-    assert request.scheduling_kwargs() == {"tbt_slo_ms": 50.0}
+    assert request.scheduling_kwargs() == {"tbt_slo_ms": 50.0}  # no class: an older sender's request still works
+    labelled = EngineRequest([1], SamplingParams(), priority=10, service_class="batch")
+    assert labelled.scheduling_kwargs() == {"priority": 10, "service_class": "batch"}
     assert EngineRequest("a text prompt", SamplingParams()).num_prompt_tokens is None  # routing leaves it to Serve
     with pytest.raises(ValueError, match="sampling"):
         EngineRequest([1], {"temperature": 0})

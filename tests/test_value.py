@@ -19,9 +19,9 @@ from apt_serve_ray.scheduler.scheduler import Scheduler, SchedulingContext
 from apt_serve_ray.scheduler.value import ValueWeights, density, importance, urgency
 
 
-def test_default_weights_are_the_papers_value():
-    w = ValueWeights()
-    assert (w.time_weight, w.memory_weight, w.slo_weight, w.priority_weight) == (1.0, 1.0, 0.0, 0.0)
+def test_default_weights_are_the_measured_ones_and_zero_weights_give_the_papers_value():
+    assert ValueWeights() == ValueWeights(time_weight=1.0, memory_weight=1.0, slo_weight=1.2, priority_weight=2.0)
+    w = ValueWeights(slo_weight=0, priority_weight=0)
     pending = np.array([1.0, 2.0])
     assert w.value(pending).tolist() == [1.0, 2.0]  # urgency and importance not needed at weight 0
     assert w.density(np.array([4.0, 4.0]), np.array([2, 0])).tolist() == [2.0, 4.0]  # 0 pages count as 1
@@ -43,7 +43,7 @@ def test_weighted_value_and_density():
 
 
 def test_missed_requests_keep_the_fairness_share_of_their_value():
-    w = ValueWeights(slo_weight=1.0)
+    w = ValueWeights(slo_weight=1.0, priority_weight=0.0)
     value = w.value(np.array([10.0, 10.0]), np.array([1.0, 1.0]), missed=np.array([False, True]),
                     fairness_penalty=0.1)
     assert value.tolist() == pytest.approx([10.0 + 1.0, 1.0 + 0.1])

@@ -1,4 +1,7 @@
-"""The engine's metrics, named ``apt_serve_*`` and tagged by model and replica.
+"""The engine's metrics, named ``apt_serve_*`` and tagged by model and replica; the per-request ones
+(counted or observed when a request finishes, preempted or upgraded) also by the request's service
+class (``NO_SERVICE_CLASS`` for a request that came without one), so SLO attainment
+(``apt_serve_slo_total{result="met"}`` over all results), TTFT and queue time read per class.
 
 Definitions only: they record into a backend with ``ray.util.metrics``' shape (``counter``,
 ``histogram``, ``gauge`` factories whose objects have ``inc`` / ``observe`` / ``set`` with ``tags``).
@@ -13,6 +16,7 @@ from apt_serve_ray.observability.observer import EngineObserver, RequestEvent, r
 
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
 FAST_BUCKETS = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25]
+NO_SERVICE_CLASS = "none"  # the label of a request that names no service class (offline, direct engine calls)
 
 
 class InMemoryMetrics:
@@ -60,19 +64,20 @@ class EngineMetrics(EngineObserver):
     def __init__(self, backend, model: str, replica: str) -> None:
         self.base = {"model": model, "replica": replica}
         b, t = backend, ("model", "replica")
-        self.requests = b.counter("apt_serve_requests_total", "Finished requests by outcome", t + ("outcome",))
+        r = t + ("service_class",)  # per request
+        self.requests = b.counter("apt_serve_requests_total", "Finished requests by outcome", r + ("outcome",))
         self.ttft = b.histogram("apt_serve_engine_ttft_seconds", "Time to first token inside the engine "
-                                "(engine arrival -> first token)", LATENCY_BUCKETS, t)
+                                "(engine arrival -> first token)", LATENCY_BUCKETS, r)
         self.tpot = b.histogram("apt_serve_time_per_output_token_seconds", "Per request: (e2e - ttft) / (tokens - 1)",
-                                LATENCY_BUCKETS, t)
+                                LATENCY_BUCKETS, r)
         self.gap = b.histogram("apt_serve_inter_token_gap_seconds", "Every gap between consecutive tokens",
-                               LATENCY_BUCKETS, t)
-        self.e2e = b.histogram("apt_serve_e2e_latency_seconds", "Engine arrival -> finish", LATENCY_BUCKETS, t)
-        self.queue = b.histogram("apt_serve_queue_time_seconds", "Engine arrival -> first scheduled", LATENCY_BUCKETS, t)
+                               LATENCY_BUCKETS, r)
+        self.e2e = b.histogram("apt_serve_e2e_latency_seconds", "Engine arrival -> finish", LATENCY_BUCKETS, r)
+        self.queue = b.histogram("apt_serve_queue_time_seconds", "Engine arrival -> first scheduled", LATENCY_BUCKETS, r)
         self.slo = b.counter("apt_serve_slo_total", "Finished requests by SLO result (met / missed_ttft / missed_tbt)",
-                             t + ("result",))
-        self.preemptions = b.counter("apt_serve_preemptions_total", "Preemptions by cause", t + ("cause",))
-        self.upgrades = b.counter("apt_serve_upgrades_total", "Hidden -> KV in-place upgrades", t)
+                             r + ("result",))
+        self.preemptions = b.counter("apt_serve_preemptions_total", "Preemptions by cause", r + ("cause",))
+        self.upgrades = b.counter("apt_serve_upgrades_total", "Hidden -> KV in-place upgrades", r)
         self.waiting = b.gauge("apt_serve_requests_waiting", "Requests waiting", t)
         self.running = b.gauge("apt_serve_requests_running", "Requests running", t)
         self.pages = b.gauge("apt_serve_cache_pages", "Cache pages by kind (kv, hidden, free)", t + ("kind",))
@@ -86,15 +91,18 @@ class EngineMetrics(EngineObserver):
     def _tags(self, **extra):
         return {**self.base, **extra}
 
+    def _request_tags(self, request, **extra):
+        return {**self.base, "service_class": request.service_class or NO_SERVICE_CLASS, **extra}
+
     def on_request_event(self, request, event, now, attrs) -> None:
         if event is RequestEvent.PREEMPTED:
-            self.preemptions.inc(1, self._tags(cause=attrs.get("cause", "memory")))
+            self.preemptions.inc(1, self._request_tags(request, cause=attrs.get("cause", "memory")))
         elif event is RequestEvent.UPGRADED:
-            self.upgrades.inc(1, self._tags())
+            self.upgrades.inc(1, self._request_tags(request))
         elif event is RequestEvent.FINISHED:
             rec = request_record(request)
-            tags = self._tags()
-            self.requests.inc(1, self._tags(outcome=rec["outcome"]))
+            tags = self._request_tags(request)
+            self.requests.inc(1, self._request_tags(request, outcome=rec["outcome"]))
             for key, hist in (("ttft_s", self.ttft), ("tpot_s", self.tpot), ("e2e_s", self.e2e), ("queue_s", self.queue)):
                 if rec[key] is not None:
                     hist.observe(rec[key], tags)
@@ -102,7 +110,7 @@ class EngineMetrics(EngineObserver):
                 self.gap.observe(gap, tags)
             if rec["outcome"] in ("stop", "length"):
                 result = "met" if rec["met_ttft"] and rec["met_tbt"] else "missed_ttft" if not rec["met_ttft"] else "missed_tbt"
-                self.slo.inc(1, self._tags(result=result))
+                self.slo.inc(1, self._request_tags(request, result=result))
 
     def on_step(self, engine, stats, now) -> None:
         tags, cache = self._tags(), stats.cache

@@ -58,6 +58,7 @@ def request_record(request: Request) -> dict:
         "preemptions": request.num_preemptions,
         "upgrades": request.num_upgrades,
         "priority": request.priority,
+        "service_class": request.service_class,
         "ttft_slo_s": request.ttft_slo_ms / 1000.0,
         "tbt_slo_s": request.tbt_slo_ms / 1000.0,
         "met_ttft": ttft is not None and ttft < request.ttft_slo_ms / 1000.0,

@@ -12,6 +12,7 @@ from __future__ import annotations
 from opentelemetry import trace
 from opentelemetry.propagate import extract, inject
 
+from apt_serve_ray.observability.metrics import NO_SERVICE_CLASS
 from apt_serve_ray.observability.observer import EngineObserver, RequestEvent
 
 EXPORTERS = ("none", "console", "otlp", "memory")
@@ -90,6 +91,7 @@ class RequestTracer(EngineObserver):
             span = self.tracer.start_span("engine.request", context=parent, start_time=now_ns, attributes={
                 "request.id": request.request_id, "request.prompt_tokens": request.num_prompt_tokens,
                 "request.priority": request.priority, "slo.ttft_ms": request.ttft_slo_ms, "slo.tbt_ms": request.tbt_slo_ms,
+                "request.service_class": request.service_class or NO_SERVICE_CLASS,
             })
             self._spans[request.request_id] = span
         span = self._spans.get(request.request_id)
