@@ -7,7 +7,9 @@ import pytest
 
 from apt_serve_ray.bench.workloads import (
     WORKLOADS,
+    ServiceClass,
     TraceRequest,
+    assign_classes,
     fill_token_ids,
     load_trace,
     make_random_trace,
@@ -146,3 +148,69 @@ def test_output_cap_keeps_the_rest_of_the_trace():
     assert [r.output_len for r in capped] == [min(r.output_len, 64) for r in full]
     assert [(r.prompt_len, r.arrival_s) for r in capped] == [(r.prompt_len, r.arrival_s) for r in full]
     assert any(r.output_len > 64 for r in full)
+
+
+INTERACTIVE = ServiceClass("interactive", 0.3, ttft_slo_ms=1000, tbt_slo_ms=100, priority=0)
+BATCH = ServiceClass("batch", 0.7, ttft_slo_ms=30000, tbt_slo_ms=1000, priority=10)
+
+
+def test_classes_get_exact_shares_and_their_slos_and_priority():
+    trace = assign_classes(make_trace("sharegpt", 150, 1.0, seed=2), [INTERACTIVE, BATCH], seed=2)
+    by_class = {c.name: [r for r in trace if r.service_class == c.name] for c in (INTERACTIVE, BATCH)}
+    assert {name: len(rs) for name, rs in by_class.items()} == {"interactive": 45, "batch": 105}
+    for c in (INTERACTIVE, BATCH):
+        assert {(r.ttft_slo_ms, r.tbt_slo_ms, r.priority) for r in by_class[c.name]} == {
+            (c.ttft_slo_ms, c.tbt_slo_ms, c.priority)}
+
+
+def test_uneven_shares_round_by_largest_remainder():
+    trace = assign_classes(make_trace("sharegpt", 10, 1.0), [
+        ServiceClass("a", 0.26, 1, 1), ServiceClass("b", 0.34, 1, 1), ServiceClass("c", 0.4, 1, 1)])
+    counts = {name: sum(r.service_class == name for r in trace) for name in "abc"}
+    assert counts == {"a": 3, "b": 3, "c": 4}  # 2.6 / 3.4 / 4.0: the one left goes to the largest remainder
+
+
+def test_classes_are_seeded_mixed_and_leave_lengths_and_arrivals_alone():
+    base = make_trace("longbench", 60, 0.5, seed=1)
+    a, b = (assign_classes(base, [INTERACTIVE, BATCH], seed=7) for _ in range(2))
+    other = assign_classes(base, [INTERACTIVE, BATCH], seed=8)
+    labels = [r.service_class for r in a]
+    assert labels == [r.service_class for r in b]
+    assert labels != [r.service_class for r in other]
+    assert labels[:18] != ["interactive"] * 18  # spread over the trace, not the first 30%
+    assert [(r.request_id, r.arrival_s, r.prompt_len, r.output_len) for r in a] == [
+        (r.request_id, r.arrival_s, r.prompt_len, r.output_len) for r in base]
+    # Re-timing keeps the classes (with_rate replaces arrivals only).
+    assert [r.service_class for r in with_rate(a, 2.0, seed=1)] == labels
+
+
+def test_the_class_stream_leaves_older_draws_unchanged():
+    # Lengths, gaps and token ids of a seed are what they were before the class stream was added.
+    # (Values drawn before the change.)
+    trace = make_trace("sharegpt", 3, 1.0, seed=0, vocab_size=100)
+    assert [r.prompt_len for r in trace] == [847, 82, 417]
+    assert trace[1].arrival_s == pytest.approx(0.8031044072628015, rel=1e-12)
+    assert trace[0].prompt_token_ids[:5] == [62, 77, 47, 16, 89]
+
+
+@pytest.mark.parametrize("classes, field", [
+    ([ServiceClass("a", 0.5, 1, 1)], "sum to 1"),
+    ([ServiceClass("a", 0.5, 1, 1), ServiceClass("a", 0.5, 1, 1)], "distinct"),
+    ([], "at least one"),
+])
+def test_bad_class_lists_are_refused(classes, field):
+    with pytest.raises(ValueError, match=field):
+        assign_classes(make_trace("sharegpt", 10, 1.0), classes)
+
+
+def test_bad_class_fields_name_the_field():
+    with pytest.raises(ValueError, match="share"):
+        ServiceClass("a", 0.0, 1, 1)
+    with pytest.raises(ValueError, match="ttft_slo_ms"):
+        ServiceClass("a", 0.5, 0, 1)
+
+
+def test_classes_survive_a_jsonl_round_trip(tmp_path):
+    trace = assign_classes(make_trace("sharegpt", 20, 1.0), [INTERACTIVE, BATCH])
+    save_trace(trace, tmp_path / "t.jsonl")
+    assert load_trace(tmp_path / "t.jsonl") == trace

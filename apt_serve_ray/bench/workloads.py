@@ -33,7 +33,7 @@ the first ``i`` gaps, as ``vllm bench serve`` sends its first request at once. `
 
 Randomness
 ----------
-``SeedSequence(seed)`` spawns independent streams for lengths, gaps and token ids. So the lengths
+``SeedSequence(seed)`` spawns independent streams for lengths, gaps, token ids and service classes. So the lengths
 do not depend on the rate, ``with_rate(make_trace(w, n, r1, cv, s), r2, cv, s) ==
 make_trace(w, n, r2, cv, s)``, and the gaps of a rate sweep are the same draws rescaled.
 Token ids (when ``vocab_size`` is given) are uniform in ``[10, vocab_size - 10)``, away from the low
@@ -50,7 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
-_STREAM_LENGTHS, _STREAM_GAPS, _STREAM_TOKENS = range(3)
+_STREAM_LENGTHS, _STREAM_GAPS, _STREAM_TOKENS, _STREAM_CLASSES = range(4)
 _MIN_TOKEN_ID_MARGIN = 10
 
 
@@ -64,6 +64,7 @@ class TraceRequest:
     ttft_slo_ms: float | None = None
     tbt_slo_ms: float | None = None
     priority: int = 0
+    service_class: str | None = None  # the name of its ServiceClass, if assign_classes gave it one
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1 or self.output_len < 1:
@@ -119,6 +120,45 @@ WORKLOADS: dict[str, WorkloadSpec] = {
     "humaneval": WorkloadSpec("humaneval", LogNormal(140, 0.25), LogNormal(100, 0.3)),
     "random": random_spec(),
 }
+
+
+@dataclass(frozen=True)
+class ServiceClass:
+    """A named class of traffic: its share of a mixed trace, its SLOs and its priority (lower first)."""
+
+    name: str
+    share: float
+    ttft_slo_ms: float
+    tbt_slo_ms: float
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.share <= 1.0:
+            raise ValueError(f"{self.name}: share must be in (0, 1], got {self.share!r}")
+        if not (self.ttft_slo_ms > 0 and self.tbt_slo_ms > 0):
+            raise ValueError(f"{self.name}: ttft_slo_ms and tbt_slo_ms must be > 0")
+
+
+def assign_classes(trace: list[TraceRequest], classes: list[ServiceClass], seed: int = 0) -> list[TraceRequest]:
+    """The same requests, each given one class's SLOs, priority and name; lengths and arrivals unchanged.
+
+    Counts are exact (largest remainder of ``share * len(trace)``, so a 30/70 mix of 150 requests is
+    45/105, not a binomial draw) and spread over the trace by a seeded shuffle; shares must sum to 1.
+    """
+    names = [c.name for c in classes]
+    if not classes or len(set(names)) != len(names):
+        raise ValueError(f"classes: need at least one, with distinct names, got {names}")
+    shares = np.array([c.share for c in classes])
+    if not math.isclose(shares.sum(), 1.0, abs_tol=1e-6):
+        raise ValueError(f"classes: shares must sum to 1, got {shares.sum():g}")
+    exact = shares * len(trace)
+    counts = np.floor(exact).astype(np.int64)
+    counts[np.argsort(-(exact - counts), kind="stable")[: len(trace) - counts.sum()]] += 1
+    labels = np.repeat(np.arange(len(classes)), counts)
+    labels = _stream(seed, _STREAM_CLASSES).permutation(labels)
+    return [dataclasses.replace(r, ttft_slo_ms=c.ttft_slo_ms, tbt_slo_ms=c.tbt_slo_ms, priority=c.priority,
+                                service_class=c.name)
+            for r, c in zip(trace, (classes[i] for i in labels))]
 
 
 def make_trace(workload: str, num_requests: int, rate: float, cv: float = 1.0, seed: int = 0,
@@ -216,4 +256,5 @@ def _arrival_times(n: int, rate: float, cv: float, rng: np.random.Generator) -> 
 
 
 def _stream(seed: int, stream: int) -> np.random.Generator:
-    return np.random.default_rng(np.random.SeedSequence(seed).spawn(3)[stream])
+    # spawn(n)[i] does not depend on n, so adding a stream left the older ones' draws unchanged.
+    return np.random.default_rng(np.random.SeedSequence(seed).spawn(stream + 1)[stream])

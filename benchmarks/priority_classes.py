@@ -1,0 +1,401 @@
+"""Service classes under overload: attainment and longest wait per class, policy against policy (issue 16).
+
+    python benchmarks/priority_classes.py [--json docs/benchmarks/priority/priority_classes.json]
+
+What it runs
+------------
+* Traces: ShareGPT- and LongBench-like (``workloads.make_trace``, Poisson), each request given a
+  service class by ``workloads.assign_classes`` (exact shares, seeded shuffle). Default classes
+  (``--classes NAME:SHARE:TTFT_MS:TBT_MS:PRIORITY ...``): 30% ``interactive`` (TTFT 1 s, P99 gap
+  100 ms, priority 0) and 70% ``batch`` (TTFT 30 s, P99 gap 1 s, priority 10; lower runs first).
+* Rates: first a capacity pass (``fcfs`` with every request on the most lenient class's SLOs, i.e.
+  class-blind, over ``--probe-rates``): the *sustainable rate* is its effective throughput at 90%
+  attainment. Then the sweep at ``--multiples`` of it (default 0.5, 1, 1.5, 2), or ``--rates-<workload>``.
+  One trace per workload, re-timed per rate (``with_rate``), the same for every policy.
+* Policies on the same trace and cache (378 pages of 16 = 6,048 KV tokens, 512-token budget, 64
+  sequences, watermarks off): ``apt`` with the tree's default weights (or ``--apt-weights``),
+  ``apt-1100`` (``--compare-weights``, default time=1 memory=1 slo=0 priority=0: the weights before
+  issue 16), ``priority``, ``sarathi``, ``fcfs``.
+* Per class: SLO attainment (finished, TTFT < its SLO, P99 gap < its SLO), finished share, longest
+  TTFT, and the longest *pending* time (arrival to first token, or between two tokens: what ``apt``'s
+  ``max_wait_time`` bounds), with the number of requests pending longer than ``max_wait_time``.
+* The aim (issue 16), checked at 1.5x the sustainable rate and printed as met or not: interactive
+  attainment >= 90% under ``apt``, batch absorbing the misses, no request pending past
+  ``max_wait_time``, ``apt`` >= ``priority`` on interactive attainment while finishing more batch
+  requests within their SLOs.
+
+Default mode: the simulator (``SimulatedEngine``: the real ``LLMEngine``, scheduler and policies on a
+cost-model runner and a simulated clock). Deterministic and fast (~45 s on 2 cores); it is
+a model of the engine's step times, not a measurement of them. Cost model: ``STORED_COST`` (what the
+engine measured at start on OPT-125m bf16, one thread, on this project's CPU; see
+docs/benchmarks.md), or ``--calibrate CHECKPOINT`` to measure one now.
+
+``--real CHECKPOINT``: the same on the real engine through ``bench/driver.replay`` in real time. The
+capacity pass would run in real time too: give the rate (here the simulator's for the same short
+trace) and keep it small on a 2-core box (~1.5 minutes):
+
+    python benchmarks/priority_classes.py --real ~/.cache/apt-serve-ray/opt-125m-bf16 --workloads sharegpt \
+        --sustainable sharegpt=4.286 --multiples 1.5 --num-requests 30 --max-output-len 64 \
+        --max-model-len 1024 --tag _real
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+
+from apt_serve_ray.bench.driver import replay, replay_simulated
+from apt_serve_ray.bench.plots import plot_attainment
+from apt_serve_ray.bench.simulator import MHA_LAYOUT, CostModel, SimulatedEngine
+from apt_serve_ray.bench.slo_metrics import (attainment, effective_throughput, inter_token_gaps_ms, p99_gap_ms,
+                                           ttft_ms)
+from apt_serve_ray.bench.workloads import ServiceClass, assign_classes, make_trace, with_rate
+from apt_serve_ray.config import EngineConfig
+from apt_serve_ray.scheduler.policies.apt import AdaptiveScheduler
+
+# What the engine measured for ``apt`` at start on the OPT-125m checkpoint (bf16, one thread, this
+# project's 2-core CPU, C++ attention kernels): docs/benchmarks/policy_simulation.json.
+STORED_COST = CostModel(base_s=0.01055, per_token_s=0.000582, per_context_s=2.96e-06, hidden_context_s=3.32e-06)
+STORED_RHO = 5.31e-05  # seconds per 16-token page per step
+DEFAULT_CLASSES = ("interactive:0.3:1000:100:0", "batch:0.7:30000:1000:10")
+POLICIES = ("apt", "apt-1100", "priority", "sarathi", "fcfs")
+WEIGHT_KEYS = {"time": "time_weight", "memory": "memory_weight", "slo": "slo_weight", "priority": "priority_weight",
+               "fairness": "fairness_penalty", "max_wait": "max_wait_time"}
+PROBE_RATES = {"sharegpt": (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0), "longbench": (0.1, 0.2, 0.3, 0.4, 0.6, 0.8, 1.2)}
+
+
+def parse_classes(specs: list[str]) -> list[ServiceClass]:
+    if any(spec.count(":") != 4 for spec in specs):
+        raise SystemExit(f"--classes: want NAME:SHARE:TTFT_MS:TBT_MS:PRIORITY each, got {specs}")
+    return [ServiceClass(n, float(share), float(ttft), float(tbt), int(prio))
+            for n, share, ttft, tbt, prio in (spec.split(":") for spec in specs)]
+
+
+def parse_weights(pairs: list[str] | None) -> dict:
+    """``time=1 memory=0.8 slo=1.2 priority=2 [fairness=0.1 max_wait=60]`` -> AdaptiveScheduler kwargs."""
+    options = {}
+    for pair in pairs or []:
+        key, _, value = pair.partition("=")
+        if key not in WEIGHT_KEYS or not value:
+            raise SystemExit(f"weights: want KEY=VALUE with KEY in {sorted(WEIGHT_KEYS)}, got {pair!r}")
+        options[WEIGHT_KEYS[key]] = float(value)
+    return options
+
+
+def policy_options(name: str, args) -> dict | None:
+    """None for the baselines; AdaptiveScheduler's keyword arguments for the two apt variants."""
+    if name == "apt":
+        return parse_weights(args.apt_weights)
+    if name == "apt-1100":
+        return parse_weights(args.compare_weights)
+    return None
+
+
+# Runs --------------------------------------------------------------------------------------------
+def run_simulated(name: str, trace, args, cost: CostModel, rho: float):
+    options = policy_options(name, args)
+    config = EngineConfig(policy="apt" if options is not None else name, policy_options=options,
+                          calibrate_rho=False, enable_watermarks=False, cache_ratio=0.0,
+                          max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
+    policy = None if options is None else AdaptiveScheduler(**options, config=config, rho=rho, step_model=cost)
+    sim = SimulatedEngine(config, layout=MHA_LAYOUT, num_pages=args.num_pages, cost=cost, policy=policy,
+                          max_model_len=args.max_model_len)
+    return replay_simulated(sim, trace), sim.scheduler.policy
+
+
+class RealRunner:
+    """``--real``: one engine per policy, loaded once, every rate replayed in real time."""
+
+    def __init__(self, path: str, args) -> None:
+        from apt_serve_ray import LLM
+
+        self.engines = {}
+        for name in args.policies:
+            options = policy_options(name, args)
+            self.engines[name] = LLM(
+                path, policy="apt" if options is not None else name, policy_options=options,
+                calibrate_rho=options is not None, dtype="bfloat16", num_threads=args.threads,
+                num_pages=args.num_pages, max_model_len=args.max_model_len, cache_ratio=0.0,
+                max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                enable_watermarks=False)
+
+    def __call__(self, name: str, trace, args):
+        llm = self.engines[name]
+        result = replay(llm, trace, progress=False, timeout_s=args.timeout_s, run_id=f"{name}-{time.monotonic_ns()}")
+        return result, llm.llm_engine.scheduler.policy
+
+
+# Figures per class -------------------------------------------------------------------------------
+def longest_pending_s(t) -> float:
+    """Arrival to first token, or between two tokens, whichever is longest (to now if unfinished)."""
+    ttft = ttft_ms(t)
+    waits = [ttft if ttft is not None else math.inf, *inter_token_gaps_ms(t)]
+    return max(waits) / 1000.0
+
+
+def class_figures(result, trace, classes, max_wait_s: float | None) -> dict:
+    by_id = {tr.request_id: tr.service_class for tr in trace}
+    figures = {}
+    for c in classes:
+        tls = [t for t in result.timelines if by_id[t.request_id.rsplit("/", 1)[-1]] == c.name]
+        ttfts = [v / 1000.0 for v in map(ttft_ms, tls) if v is not None]
+        pending = [longest_pending_s(t) for t in tls]
+        late = [t for t in tls if ttft_ms(t) is None or ttft_ms(t) >= c.ttft_slo_ms]
+        figures[c.name] = {
+            "num_requests": len(tls), "attainment": attainment(tls),
+            "num_passed": int(round(attainment(tls) * len(tls))),
+            "finished": sum(t.is_finished for t in tls) / max(1, len(tls)),
+            # Why the misses missed: first token late (or never), or a P99 gap over the TBT target.
+            "num_ttft_misses": len(late),
+            "num_tbt_misses": sum(t.is_finished and p99_gap_ms(t) >= c.tbt_slo_ms for t in tls),
+            "max_ttft_s": max(ttfts) if ttfts and len(ttfts) == len(tls) else None,  # None: one never started
+            "mean_ttft_s": float(np.mean(ttfts)) if ttfts else None,
+            "max_pending_s": max(pending, default=0.0),
+            "num_over_max_wait": None if max_wait_s is None else sum(p > max_wait_s for p in pending),
+        }
+    return figures
+
+
+def run_point(run, name: str, trace, classes, args) -> dict:
+    result, policy = run(name, trace, args)
+    max_wait = getattr(policy, "max_wait_time", None) or args.reference_max_wait
+    s = result.summary()
+    return {"attainment": s["slo_attainment"], "preemptions": result.num_preemptions,
+            "unfinished": result.num_unfinished, "duration_s": result.duration_s, "max_wait_time_s": max_wait,
+            "weights": None if not hasattr(policy, "weights") else vars(policy.weights),
+            "classes": class_figures(result, trace, classes, max_wait)}
+
+
+# The sweep ---------------------------------------------------------------------------------------
+def sustainable_rate(workload: str, base, classes, run, args) -> tuple[float, list]:
+    """fcfs, every request on the most lenient class's SLOs: the rate the server holds at 90% attainment."""
+    lenient = max(classes, key=lambda c: (c.ttft_slo_ms, c.tbt_slo_ms))
+    blind = assign_classes(base, [ServiceClass(lenient.name, 1.0, lenient.ttft_slo_ms, lenient.tbt_slo_ms, 0)])
+    points, rates = [], list(args.probe_rates or PROBE_RATES[workload])
+    while rates:
+        rate = rates.pop(0)
+        result, _ = run("fcfs", with_rate(blind, rate, seed=args.seed), args)
+        points.append((rate, result.summary()["slo_attainment"]))
+        if not rates and points[-1][1] >= 0.9 and len(points) < 20:  # the limit lies higher (a short trace)
+            rates.append(2 * rate)
+    return effective_throughput(points, 0.9), points
+
+
+def run_workload(workload: str, classes, run, args) -> dict:
+    trace = make_trace(workload, args.num_requests, 1.0, seed=args.seed, max_model_len=args.max_model_len,
+                       max_output_len=args.max_output_len)
+    base = assign_classes(trace, classes, seed=args.seed)
+    rates = getattr(args, f"rates_{workload}")
+    report: dict = {"runs": {}}
+    given = dict(pair.split("=") for pair in args.sustainable or [])
+    if rates is None and workload in given:
+        cap = report["sustainable_rate"] = float(given[workload])
+        rates = [round(m * cap, 4) for m in args.multiples]
+        print(f"\n{workload}: sustainable rate {cap:.3f} req/s (given); rates {rates}")
+    elif rates is None:
+        cap, probe = sustainable_rate(workload, base, classes, run, args)
+        report.update(sustainable_rate=cap, probe=probe)
+        rates = [round(m * cap, 4) for m in args.multiples]
+        print(f"\n{workload}: sustainable rate {cap:.3f} req/s (fcfs, class-blind, 90% within the lenient SLOs;"
+              f" probe {probe}); rates {rates}")
+    report["rates"] = rates
+    names = [c.name for c in classes]
+    print(f"{workload}: attainment per class ({' / '.join(names)}), longest pending s ({' / '.join(names)}),"
+          f" requests pending past max_wait_time")
+    for rate in rates:
+        trace = with_rate(base, rate, seed=args.seed)
+        for name in args.policies:
+            point = run_point(run, name, trace, classes, args)
+            report["runs"].setdefault(name, {})[str(rate)] = point
+            cf = point["classes"]
+            over = sum(f["num_over_max_wait"] or 0 for f in cf.values())
+            print(f"{rate:>7.3f} {name:>9}: " + " / ".join(f"{cf[n]['attainment']:.2f}" for n in names)
+                  + "   " + " / ".join(f"{cf[n]['max_pending_s']:6.1f}" for n in names)
+                  + f"   over {over:>3}   preempt {point['preemptions']:>4}", flush=True)
+    return report
+
+
+def check_aim(report: dict, classes, args) -> dict | None:
+    """The issue's aim at the rate closest to 1.5x sustainable (None if no rate was derived from it)."""
+    cap = report.get("sustainable_rate")
+    if not cap or "apt" not in report["runs"] or "priority" not in report["runs"]:
+        return None
+    rate = min(report["rates"], key=lambda r: abs(r - 1.5 * cap))
+    first, last = classes[0].name, classes[-1].name  # most and least important, as given
+    apt, prio = report["runs"]["apt"][str(rate)]["classes"], report["runs"]["priority"][str(rate)]["classes"]
+    checks = {
+        f"{first} >= 90% under apt": apt[first]["attainment"] >= 0.9,
+        f"{last} absorbs the misses under apt": apt[last]["attainment"] <= apt[first]["attainment"],
+        "no request pending past max_wait_time (apt)": all(f["num_over_max_wait"] == 0 for f in apt.values()),
+        f"apt >= priority on {first}": apt[first]["attainment"] >= prio[first]["attainment"],
+        f"apt passes more {last} than priority": (apt[last]["num_passed"] > prio[last]["num_passed"]
+                                                   or apt[last]["attainment"] == 1.0),
+    }
+    return {"rate": rate, "multiple": rate / cap, "checks": checks, "met": all(checks.values())}
+
+
+def markdown_table(report: dict, rate: float, classes) -> str:
+    """Per policy at one rate: per class passed/total, longest TTFT and pending, pending past the bound."""
+    head = "| policy | " + " | ".join(f"{c.name}: passed, longest TTFT / pending (s)" for c in classes) + \
+        " | pending > max_wait_time |"
+    lines = [head, "|---" * (len(classes) + 2) + "|"]
+    for name, runs in report["runs"].items():
+        cf = runs[str(rate)]["classes"]
+
+        def cell(f) -> str:
+            ttft = "never" if f["max_ttft_s"] is None else f"{f['max_ttft_s']:.1f}"
+            return f"{f['num_passed']}/{f['num_requests']} ({f['attainment']:.0%}), {ttft} / {f['max_pending_s']:.1f}"
+
+        over = sum(f["num_over_max_wait"] or 0 for f in cf.values())
+        lines.append(f"| {name} | " + " | ".join(cell(cf[c.name]) for c in classes) + f" | {over} |")
+    return "\n".join(lines)
+
+
+def plots(workload: str, report: dict, classes, out_dir: Path, tag: str) -> list[str]:
+    paths = []
+    for c in classes:
+        points = {name: [(float(r), p["classes"][c.name]["attainment"]) for r, p in runs.items()]
+                  for name, runs in report["runs"].items()}
+        path = out_dir / f"attainment_{workload}_{c.name}{tag}.png"
+        plot_attainment(points, path, title=f"{workload}-like, class {c.name} (TTFT {c.ttft_slo_ms / 1e3:g} s, "
+                                            f"P99 gap {c.tbt_slo_ms:g} ms, priority {c.priority})")
+        paths.append(str(path))
+    paths.append(str(plot_waits(workload, report, classes, out_dir / f"longest_wait_{workload}{tag}.png")))
+    return paths
+
+
+def plot_waits(workload: str, report: dict, classes, path: Path) -> Path:
+    """Longest pending time per class vs rate, one line per policy, ``max_wait_time`` dotted."""
+    import matplotlib.pyplot as plt  # plots.py has set the Agg backend
+
+    fig, axes = plt.subplots(1, len(classes), figsize=(5.2 * len(classes), 4), squeeze=False)
+    for ax, c in zip(axes[0], classes):
+        for name, runs in report["runs"].items():
+            pts = sorted((float(r), p["classes"][c.name]["max_pending_s"]) for r, p in runs.items())
+            ax.plot([r for r, _ in pts], [w for _, w in pts], marker="o", label=name)
+        bound = next(iter(report["runs"].get("apt", {}).values()), {}).get("max_wait_time_s")
+        if bound:
+            ax.axhline(bound, color="grey", linestyle=":", linewidth=1, label=f"apt max_wait_time {bound:g} s")
+        ax.set_yscale("log")
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel("longest pending time (s)")
+        ax.set_title(f"class {c.name}")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{workload}-like: longest wait for a first token or between two tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def calibrated(path: str) -> tuple[CostModel, float]:
+    """The step-time model and rho the engine measures at start for ``apt`` on this checkpoint."""
+    from apt_serve_ray import LLM
+
+    llm = LLM(path, policy="apt", calibrate_rho=True, dtype="bfloat16", num_threads=1)
+    costs = llm.llm_engine.scheduler.policy.costs
+    st = costs.step_time
+    return CostModel(st.a, st.b, st.c, st.hidden_seconds_per_token), float(costs.rho or 0.0)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workloads", nargs="+", default=["sharegpt", "longbench"], choices=sorted(PROBE_RATES))
+    p.add_argument("--classes", nargs="+", default=list(DEFAULT_CLASSES), help="NAME:SHARE:TTFT_MS:TBT_MS:PRIORITY")
+    p.add_argument("--policies", nargs="+", default=list(POLICIES))
+    p.add_argument("--apt-weights", nargs="*", default=None, help="e.g. time=1 memory=0.8 slo=1.2 priority=2 "
+                                                                   "(default: the tree's AdaptiveScheduler defaults)")
+    p.add_argument("--compare-weights", nargs="*", default=["time=1", "memory=1", "slo=0", "priority=0"],
+                   help="apt-1100's weights")
+    p.add_argument("--multiples", type=float, nargs="+", default=[0.5, 1.0, 1.5, 2.0])
+    p.add_argument("--probe-rates", type=float, nargs="+", default=None)
+    p.add_argument("--sustainable", nargs="+", default=None, metavar="WORKLOAD=RATE",
+                   help="skip the capacity pass (e.g. for --real: sharegpt=1.06)")
+    p.add_argument("--rates-sharegpt", type=float, nargs="+", default=None)
+    p.add_argument("--rates-longbench", type=float, nargs="+", default=None)
+    p.add_argument("--num-requests", type=int, default=150)
+    p.add_argument("--max-output-len", type=int, default=None)
+    p.add_argument("--num-pages", type=int, default=378)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--reference-max-wait", type=float, default=AdaptiveScheduler().max_wait_time,
+                   help="the bound checked for policies without max_wait_time (apt's default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--calibrate", default=None, help="checkpoint to measure the cost model on (default: stored)")
+    p.add_argument("--real", default=None, metavar="CHECKPOINT", help="run on the real engine instead")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--timeout-s", type=float, default=300.0, help="--real: after the last arrival")
+    p.add_argument("--out-dir", type=Path, default=Path("docs/benchmarks/priority"))
+    p.add_argument("--tag", default="", help="suffix of the plot names")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    classes = parse_classes(args.classes)
+    started = time.monotonic()
+
+    if args.real:
+        run = RealRunner(args.real, args)
+        mode = f"real engine ({args.real}, bf16, {args.threads} thread(s), real time)"
+        cost_info = None
+    else:
+        cost, rho = calibrated(args.calibrate) if args.calibrate else (STORED_COST, STORED_RHO)
+        run = lambda name, trace, a: run_simulated(name, trace, a, cost, rho)  # noqa: E731
+        mode = "simulator (SimulatedEngine: real scheduler and policies, cost-model step times, simulated clock)"
+        cost_info = {"cost_model": vars(cost), "rho": rho, "calibrated_on": args.calibrate or "stored"}
+        print(f"cost model ({cost_info['calibrated_on']}): {cost}; rho {rho * 1e3:.4f} ms per page per step")
+    print(f"mode: {mode}; " + ("real time, noisy" if args.real else "deterministic for a given cost model"))
+    print("classes: " + ", ".join(f"{c.name} {c.share:.0%} TTFT {c.ttft_slo_ms:g} ms P99 gap {c.tbt_slo_ms:g} ms "
+                                  f"priority {c.priority}" for c in classes))
+    for name in ("apt", "apt-1100"):
+        policy = AdaptiveScheduler(**policy_options(name, args))
+        print(f"{name}: {vars(policy.weights)}, fairness_penalty {policy.fairness_penalty:g}, "
+              f"max_wait_time {policy.max_wait_time:g} s" + (" (the tree's defaults)" if name == "apt"
+                                                             and not args.apt_weights else ""))
+
+    results: dict = {"mode": mode, "classes": [vars(c) for c in classes], "cost": cost_info,
+                     "args": {k: str(v) for k, v in vars(args).items()}, "git": _git_head(), "workloads": {}}
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    for workload in args.workloads:
+        report = run_workload(workload, classes, run, args)
+        report["aim"] = check_aim(report, classes, args)
+        report["plots"] = plots(workload, report, classes, args.out_dir, args.tag)
+        results["workloads"][workload] = report
+        aim = report["aim"]
+        if aim:
+            print(f"{workload}: aim at {aim['rate']:.3f} req/s ({aim['multiple']:.2f}x sustainable): "
+                  f"{'MET' if aim['met'] else 'NOT met'}: "
+                  + "; ".join(f"{k}: {'yes' if v else 'no'}" for k, v in aim["checks"].items()))
+            print(markdown_table(report, aim["rate"], classes))
+    results["wall_s"] = time.monotonic() - started
+    print(f"wall time {results['wall_s']:.0f} s")
+    if args.json:
+        args.json.write_text(json.dumps(_finite(results), indent=2, default=str) + "\n")
+    return 0
+
+
+def _finite(value):
+    """Infinite waits (a request that never got a token) as null: strict JSON has no Infinity."""
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return None if isinstance(value, float) and math.isinf(value) else value
+
+
+def _git_head() -> str:
+    try:
+        git = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True)
+        return git.stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
