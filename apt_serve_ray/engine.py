@@ -337,7 +337,9 @@ class LLMEngine:
 
     def cache_stats(self) -> CacheStats:
         pool, lay, sched = self.cache.pool, self.layout, self.scheduler
-        tokens = self.cache.num_cached_tokens(list(sched.running) + list(sched.waiting))
+        # Only running requests hold pages (preemption frees them all and zeroes num_computed_tokens), and
+        # this runs every step: the waiting queue, thousands long under overload, is not walked.
+        tokens = self.cache.num_cached_tokens(sched.running)
         return CacheStats(
             num_pages=pool.num_pages, num_free_pages=pool.num_free_pages,
             num_kv_pages=pool.num_used(CacheKind.KV), num_hidden_pages=pool.num_used(CacheKind.HIDDEN),

@@ -35,12 +35,18 @@ def _admission_weights(value):
     return {**dataclasses.asdict(ADMISSION_WEIGHTS), **value} if isinstance(value, dict) else value
 
 
+def policy_kwargs(args: _AppArgs, config: EngineConfig) -> dict:
+    """The engine policy's keyword arguments as every replica gets them: ``policy_weights`` over
+    ``policy_options`` (``EngineReplica`` merges them the same way)."""
+    return {**(config.policy_options or {}), **args.policy_weights}
+
+
 def admission_weights(args: _AppArgs, config: EngineConfig) -> ValueWeights:
     """The router's admission weights: the app's ``admission_weights`` if given, else the engine policy's
     (``policy_weights`` over ``policy_options``), so the router and the engines order by one value model."""
     if args.admission_weights is not None:
         return args.admission_weights
-    return ValueWeights.of_policy({**(config.policy_options or {}), **args.policy_weights})
+    return ValueWeights.of_policy(policy_kwargs(args, config))
 
 
 # The router's admission weights: the value model's one weights type (apt_serve_ray/scheduler/value.py),
@@ -164,7 +170,7 @@ def build_app(args: AppArgs | dict) -> Application:
         default_ttft_slo_ms=config.default_ttft_slo_ms, output_horizon_tokens=args.output_horizon_tokens,
         max_in_flight=max(1, max_in_flight // args.num_routers), max_queued_requests=args.max_queued_requests,
         admission_weights=admission_weights(args, config),
-        max_wait_s={**(config.policy_options or {}), **args.policy_weights}.get("max_wait_time", MAX_WAIT_S),
+        max_wait_s=policy_kwargs(args, config).get("max_wait_time", MAX_WAIT_S),
         service_classes=args.service_classes, default_service_class=args.default_service_class,
         poll_interval_s=min(0.25, args.control_interval_s),
         tracing_exporter=args.tracing_exporter, mirror_metrics=args.mirror_metrics, engine_cpus=engine_cpus)
