@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from apt_serve_ray.scheduler.watermarks import HEAVY_WATERMARK, HIDDEN_RATIO_STEP, LIGHT_WATERMARK, MAX_HIDDEN_RATIO
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+COMPRESSED_KIND_NAMES = ("hidden", "kv-int8", "hidden-int8")
 _DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # see apt_serve_ray.attention
 
@@ -40,7 +41,19 @@ class EngineConfig:
     block_size: int = 16
     cache_budget_bytes: int | None = None
     num_pages: int | None = None
+    # The ceiling of the share of the pool's pages held in compressed kinds (hidden, kv-int8,
+    # hidden-int8); 0: KV pages only, whatever the policy. Below it ``apt`` chooses kinds by value;
+    # the other policies give new requests the cheapest compressed kind while the share is under it.
     cache_ratio: float = 0.0
+    # The compressed kinds the engine may use (each only where it holds more tokens per page than KV
+    # and no cheaper kind holds as many). The default is the exact hybrid cache; the int8 kinds
+    # ("kv-int8", "hidden-int8") are lossy and opt-in, like vLLM's kv_cache_dtype.
+    cache_kinds: tuple[str, ...] = ("hidden",)
+    # A tier below memory for preempted requests' pages (GiB; vLLM's swap_space): host memory when the
+    # engine runs on a GPU, a memory-mapped file in ``swap_dir`` (default: the temp dir) on CPU.
+    # 0: no tier, preempted requests are recomputed.
+    swap_space: float = 0.0
+    swap_dir: str | None = None
     # The hybrid cache on/off. Off: KV pages only, whatever the policy (the "apt with the hybrid cache
     # off" baseline). On, it is used where a hidden page saves memory (MHA) or when force_hidden.
     enable_hybrid_cache: bool = True
@@ -100,6 +113,16 @@ class EngineConfig:
                      "calibrate_rho", "cache_proj_optimize", "engine_process"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")
+        kinds = self.cache_kinds
+        if isinstance(kinds, str) or not isinstance(kinds, (tuple, list)) or \
+                not all(isinstance(k, str) and k in COMPRESSED_KIND_NAMES for k in kinds):
+            raise ValueError(f"cache_kinds: must be a list of {list(COMPRESSED_KIND_NAMES)}, got {kinds!r}")
+        object.__setattr__(self, "cache_kinds", tuple(dict.fromkeys(kinds)))
+        if isinstance(self.swap_space, bool) or not isinstance(self.swap_space, (int, float)) or \
+                not 0 <= self.swap_space < float("inf"):
+            raise ValueError(f"swap_space: must be a number of GiB >= 0, got {self.swap_space!r}")
+        if self.swap_dir is not None and (not isinstance(self.swap_dir, str) or not self.swap_dir):
+            raise ValueError(f"swap_dir: must be a directory path, got {self.swap_dir!r}")
         if self.force_hidden and not self.enable_hybrid_cache:
             raise ValueError("force_hidden: cannot be true with enable_hybrid_cache false")
         from apt_serve_ray.scheduler.registry import policy_names
@@ -115,6 +138,25 @@ class EngineConfig:
     def hidden_allowed(self, hidden_saves_memory: bool) -> bool:
         """Whether the engine may use hidden pages for a model whose layout has ``hidden_saves_memory``."""
         return self.enable_hybrid_cache and (hidden_saves_memory or self.force_hidden)
+
+    def compressed_kinds(self, layout) -> tuple:
+        """The compressed kinds offered for a model with ``layout`` (a ``CacheLayout``), cheapest per
+        step first: each one allowed by ``cache_kinds`` and the hybrid-cache switches, holding more
+        tokens per page than KV and than every cheaper kind offered (hidden-int8 on a grouped-query
+        model holds fewer than kv-int8 and costs more: never offered)."""
+        from apt_serve_ray.request import CacheKind
+
+        allowed = set(self.cache_kinds)
+        hidden_ok = self.hidden_allowed(layout.hidden_saves_memory)
+        offered, best = [], layout.block_size
+        for kind in (CacheKind.KV_INT8, CacheKind.HIDDEN, CacheKind.HIDDEN_INT8):  # by cost per step
+            if kind.value not in allowed or (kind.stores_hidden and not hidden_ok):
+                continue
+            tpp = layout.tokens_per_page(kind)
+            if tpp > best or (kind is CacheKind.HIDDEN and self.force_hidden):
+                offered.append(kind)
+                best = max(best, tpp)
+        return tuple(offered)
 
 
 def check_share(name: str, value: object) -> float:

@@ -71,6 +71,7 @@ class LLMEngine:
         self.vocab_size = self.runner.vocab_size
         self.cache = CacheManager(PagePool(self.runner.num_pages), self.layout)
         self.hidden_allowed = config.hidden_allowed(self.layout.hidden_saves_memory)
+        self.compressed_kinds = config.compressed_kinds(self.layout)
         self._log_cache_geometry()
         lay = self.layout
         self._geometry = dict(  # the fixed part of cache_stats(), published every step
@@ -79,8 +80,11 @@ class LLMEngine:
             hidden_bytes_per_token=lay.bytes_per_token(CacheKind.HIDDEN),
             kv_tokens_per_page=lay.tokens_per_page(CacheKind.KV),
             hidden_tokens_per_page=lay.tokens_per_page(CacheKind.HIDDEN),
+            tokens_per_page_by_kind={k.value: lay.tokens_per_page(k) for k in CacheKind},
+            compressed_kinds=tuple(k.value for k in self.compressed_kinds),
         )
-        self.scheduler = Scheduler(config, self.cache, None, self.hidden_allowed, self.max_model_len)
+        self.scheduler = Scheduler(config, self.cache, None, self.hidden_allowed, self.max_model_len,
+                                   self.compressed_kinds)
         self.set_policy(make_policy(config.policy, config, **(config.policy_options or {})))
         self.watermarks = (
             Watermarks(config.light_watermark, config.heavy_watermark, config.max_hidden_ratio,
@@ -317,8 +321,11 @@ class LLMEngine:
         """Logits at every position of ``token_ids`` ([n, vocab], float32), computed through the paged
         cache of the given kind; the pages are returned afterwards. Runs between steps only."""
         request = self.make_request(list(token_ids), SamplingParams(max_tokens=1))
-        if kind is CacheKind.HIDDEN and not self.hidden_allowed:
-            raise ValueError("kind: the hidden cache kind is disabled for this model")
+        kind = CacheKind(kind)
+        if kind.stores_hidden and not self.hidden_allowed:
+            raise ValueError(f"kind: the {kind.value} cache kind is disabled for this model")
+        if kind.is_int8 and self.layout.tokens_per_page(kind) == 0:
+            raise ValueError(f"kind: a page is too small for one {kind.value} token")
         if not self.cache.allocate(request, request.num_tokens, kind):
             raise ValueError(f"token_ids: {request.num_tokens} tokens do not fit in the free pages")
         try:
@@ -345,6 +352,8 @@ class LLMEngine:
             num_kv_pages=pool.num_used(CacheKind.KV), num_hidden_pages=pool.num_used(CacheKind.HIDDEN),
             num_kv_tokens=tokens[CacheKind.KV.value], num_hidden_tokens=tokens[CacheKind.HIDDEN.value],
             usage=pool.usage(), cache_ratio=sched.cache_ratio, hidden_share=sched.hidden_share(),
+            pages_by_kind={k.value: pool.num_used(k) for k in CacheKind}, tokens_by_kind=tokens,
+            compressed_share=sched.compressed_share(),
             num_waiting=len(sched.waiting), num_running=len(sched.running), num_preemptions=sched.num_preemptions,
             admission_open=sched.admission_open and sched.pressure_admit, hidden_allowed=self.hidden_allowed,
             **self._geometry,

@@ -88,6 +88,12 @@ class LLM:
     def cache_stats(self) -> CacheStats:
         return self.llm_engine.cache_stats()
 
+    @property
+    def cache_ratio(self) -> float:
+        """The ceiling of the share of pages in compressed kinds now in force (0 where the model is
+        offered none). ``llm.adjust_cache_ratio(min(0.7, llm.cache_ratio + 0.1))`` raises it."""
+        return self.llm_engine.scheduler.cache_ratio
+
     def adjust_cache_ratio(self, ratio: float) -> None:
         self.llm_engine.adjust_cache_ratio(ratio)
 

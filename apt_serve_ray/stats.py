@@ -24,8 +24,8 @@ class CacheStats:
     num_kv_tokens: int  # computed tokens held in those pages
     num_hidden_tokens: int
     usage: float  # share of the pool in use
-    cache_ratio: float  # the scheduler's target share of hidden pages
-    hidden_share: float  # the measured share of hidden pages among used ones
+    cache_ratio: float  # the ceiling of the share of the pool in compressed kinds
+    hidden_share: float  # the measured share of hidden pages (hidden, hidden-int8) among used ones
     num_waiting: int
     num_running: int
     num_preemptions: int  # since the engine started
@@ -39,6 +39,12 @@ class CacheStats:
     hidden_bytes_per_token: int
     kv_tokens_per_page: int
     hidden_tokens_per_page: int
+    # Every kind ("kv", "hidden", "kv-int8", "hidden-int8"): pages in use, tokens held, tokens per page.
+    pages_by_kind: dict[str, int] | None = None
+    tokens_by_kind: dict[str, int] | None = None
+    tokens_per_page_by_kind: dict[str, int] | None = None
+    compressed_kinds: tuple[str, ...] = ()  # offered by this engine, cheapest per step first
+    compressed_share: float = 0.0  # share of the used pages in compressed kinds
 
     def as_load(self) -> dict:
         """The load-report keys of ``AsyncLLMEngine.load()`` (per-kind figures as ``{"kv", "hidden"}``)."""
@@ -51,8 +57,10 @@ class CacheStats:
             "bytes_per_page": self.bytes_per_page,
             "num_pages": self.num_pages,
             "num_free_pages": self.num_free_pages,
-            "pages": {"kv": self.num_kv_pages, "hidden": self.num_hidden_pages},
-            "tokens": {"kv": self.num_kv_tokens, "hidden": self.num_hidden_tokens},
+            "pages": self.pages_by_kind or {"kv": self.num_kv_pages, "hidden": self.num_hidden_pages},
+            "tokens": self.tokens_by_kind or {"kv": self.num_kv_tokens, "hidden": self.num_hidden_tokens},
+            "compressed_kinds": list(self.compressed_kinds),
+            "compressed_share": self.compressed_share,
             "usage": self.usage,
             "cache_ratio": self.cache_ratio,
             "hidden_share": self.hidden_share,

@@ -17,7 +17,8 @@ from apt_serve_ray.stats import CacheStats, StepStats
 COST = CostModel(base_s=0.010, per_token_s=0.001, per_context_s=0.0, hidden_context_s=0.0)
 LOAD_KEYS = {"hidden_supported", "hidden_allowed", "hidden_ratio", "bytes_per_token", "tokens_per_page",
              "bytes_per_page", "num_pages", "num_free_pages", "pages", "tokens", "usage", "cache_ratio",
-             "hidden_share", "num_waiting", "num_running", "num_preemptions", "admission_open"}
+             "hidden_share", "num_waiting", "num_running", "num_preemptions", "admission_open",
+             "compressed_kinds", "compressed_share"}
 
 
 def _sim(policy: str = "sarathi", num_pages: int = 20) -> SimulatedEngine:
@@ -63,7 +64,8 @@ def test_stats_are_frozen_pickle_and_keep_the_load_report_keys():
         step.cache.num_free_pages = 0
     load = step.cache.as_load()
     assert set(load) == LOAD_KEYS
-    assert load["pages"] == {"kv": 3, "hidden": 0} and load["tokens_per_page"] == {"kv": 16, "hidden": 32}
+    assert load["pages"] == {"kv": 3, "hidden": 0, "kv-int8": 0, "hidden-int8": 0}
+    assert load["tokens_per_page"] == {"kv": 16, "hidden": 32}
     # The async engine's load report is the same dict plus its own two figures.
     async_engine = AsyncLLMEngine(sim.config, engine=sim.llm_engine)
     assert async_engine.cache_stats() == sim.llm_engine.cache_stats()

@@ -59,6 +59,7 @@ def test_forced_hidden_smollm2_matches_kv(smollm2):
     try:
         hidden = engine.prompt_logits(ids, CacheKind.HIDDEN)
         smollm2.llm_engine.scheduler.hidden_allowed = True
+        smollm2.llm_engine.scheduler._compressed = (CacheKind.HIDDEN,)  # what force_hidden offers
         smollm2.adjust_cache_ratio(1.0)
         out_h = smollm2.generate(["The three primary colours are"], PARAMS)
         smollm2.adjust_cache_ratio(0.0)
@@ -66,6 +67,7 @@ def test_forced_hidden_smollm2_matches_kv(smollm2):
     finally:
         engine.hidden_allowed = False
         smollm2.llm_engine.scheduler.hidden_allowed = False
+        smollm2.llm_engine.scheduler._compressed = ()
         smollm2.adjust_cache_ratio(0.0)
     assert torch.allclose(kv, hidden, atol=1e-4, rtol=0)
     assert out_h[0].metrics.cache_kind == "hidden" and out_k[0].metrics.cache_kind == "kv"

@@ -1,4 +1,4 @@
-"""Block tables per request over the shared page pool, for both cache kinds.
+"""Block tables per request over the shared page pool, for every cache kind.
 
 Mechanism only: ``can_*`` methods check, their twins mutate, and allocation returns ``False``
 instead of failing. The scheduler decides what to do when memory runs out.
@@ -15,12 +15,14 @@ from apt_serve_ray.request import CacheKind, Request
 
 @dataclass(frozen=True)
 class UpgradePlan:
-    """Hidden -> KV in place: project K/V of ``num_tokens`` stored x into ``kv_pages``."""
+    """Compressed -> KV in place: K/V of ``num_tokens`` tokens held in ``hidden_pages`` (of kind
+    ``from_kind``: projected from x, dequantised, or both) written into ``kv_pages``."""
 
     request_id: str
     num_tokens: int
-    hidden_pages: list[int]
+    hidden_pages: list[int]  # the source pages, whatever their kind
     kv_pages: list[int]
+    from_kind: CacheKind = CacheKind.HIDDEN
 
 
 class CacheManager:
@@ -61,15 +63,16 @@ class CacheManager:
         request.kind = None
 
     def upgrade(self, request: Request, num_total_tokens: int) -> UpgradePlan | None:
-        """Switch a hidden request to KV pages big enough for ``num_total_tokens``; the runner fills
-        them from the stored x. Returns None if there is not enough memory."""
-        if request.kind is not CacheKind.HIDDEN:
-            raise ValueError(f"request {request.request_id} is not a hidden-cache request")
+        """Switch a request in a compressed kind to KV pages big enough for ``num_total_tokens``; the
+        runner fills them from the old pages. Returns None if there is not enough memory."""
+        if request.kind is None or not request.kind.is_compressed:
+            raise ValueError(f"request {request.request_id} holds no compressed pages")
         num = self.layout.num_pages_for(num_total_tokens, CacheKind.KV)
         kv_pages = self.pool.allocate(num, CacheKind.KV, request.request_id)
         if kv_pages is None:
             return None
-        plan = UpgradePlan(request.request_id, request.num_computed_tokens, list(request.page_ids), kv_pages)
+        plan = UpgradePlan(request.request_id, request.num_computed_tokens, list(request.page_ids), kv_pages,
+                           request.kind)
         self._deferred.append((plan.hidden_pages, request.request_id))
         request.kind = request.last_kind = CacheKind.KV
         request.page_ids = kv_pages
@@ -82,7 +85,7 @@ class CacheManager:
         self._deferred.clear()
 
     def num_cached_tokens(self, requests) -> dict[str, int]:
-        tokens = {CacheKind.KV.value: 0, CacheKind.HIDDEN.value: 0}
+        tokens = dict.fromkeys((k.value for k in CacheKind), 0)
         for request in requests:
             if request.kind is not None:
                 tokens[request.kind.value] += request.num_computed_tokens

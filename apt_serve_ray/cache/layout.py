@@ -1,9 +1,18 @@
-"""Geometry of the hybrid cache for one model: what a page holds in each kind, and what it costs.
+"""Geometry of the cache for one model: what a page holds in each kind, and what it costs.
 
-A page is ``page_elems`` elements in every layer. Token-major inside a page::
+A page is ``page_elems`` elements of the model's dtype in every layer (``page_bytes`` bytes); every
+kind fills the same pages. Token-major inside a page::
 
-    KV page      [block_size tokens][2 (k, v)][num_kv_heads][head_dim]   page_elems = block_size*2*kv_dim
-    hidden page  [tokens_per_page  ][hidden_size]  (+ unused tail)        tokens = page_elems // hidden
+    kv           [block_size tokens][2 (k, v)][num_kv_heads][head_dim]   page_elems = block_size*2*kv_dim
+    hidden       [tokens_per_page  ][hidden_size]  (+ unused tail)        tokens = page_elems // hidden
+    kv-int8      bytes: [tokens][2][num_kv_heads][head_dim] int8, then at ``scale_offset``
+                 [tokens][2][num_kv_heads] float32 scales (one per token, K or V, and head)
+    hidden-int8  bytes: [tokens][hidden_size] int8, then [tokens][hidden_size // group] float32 scales
+                 (one per token and group of ``quant_group`` elements; ``head_dim`` where it divides)
+
+Quantisation is symmetric: ``q = round(x / s)``, ``s = max|x| / 127`` over the token's head or group
+(``cache/quant.py``); the scales count in the page's bytes, so an int8 page holds fewer than
+``page_bytes / elements`` tokens (OPT-125m in bf16: 30 kv-int8 tokens per 16-token page, 1.88x).
 
 For MHA (kv_dim == hidden) a hidden page holds exactly 2x the tokens of a KV page. For grouped-query
 models it holds fewer, so the hidden kind saves nothing there and is disabled unless forced.
@@ -13,8 +22,38 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 from apt_serve_ray.request import CacheKind
+
+SCALE_BYTES = 4  # float32 scales
+_SCALE_ALIGN = 16
+
+
+@dataclass(frozen=True)
+class Int8Geometry:
+    """Where an int8 kind's data and scales sit in one layer's page (bytes)."""
+
+    tokens_per_page: int
+    token_elems: int  # int8 values per token (2 * kv_dim, or hidden_size)
+    scales_per_token: int  # 2 * num_kv_heads, or hidden_size // group
+    group: int  # elements per scale (head_dim for KV; quant_group for hidden)
+    scale_offset: int  # byte offset of the scales in the page
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.token_elems + SCALE_BYTES * self.scales_per_token
+
+
+def _int8_geometry(page_bytes: int, token_elems: int, scales_per_token: int, group: int) -> Int8Geometry:
+    per_token = token_elems + SCALE_BYTES * scales_per_token
+    tpp = page_bytes // per_token
+    while tpp > 0:
+        offset = -(-tpp * token_elems // _SCALE_ALIGN) * _SCALE_ALIGN
+        if offset + tpp * scales_per_token * SCALE_BYTES <= page_bytes:
+            return Int8Geometry(tpp, token_elems, scales_per_token, group, offset)
+        tpp -= 1
+    return Int8Geometry(0, token_elems, scales_per_token, group, 0)
 
 
 @dataclass(frozen=True)
@@ -35,15 +74,47 @@ class CacheLayout:
         return self.block_size * 2 * self.kv_dim
 
     @property
+    def page_bytes(self) -> int:
+        """Bytes of one page in one layer."""
+        return self.page_elems * self.dtype_bytes
+
+    @property
     def bytes_per_page(self) -> int:
-        return self.num_layers * self.page_elems * self.dtype_bytes
+        """Bytes of one page over all layers (what one page id costs)."""
+        return self.num_layers * self.page_bytes
+
+    @property
+    def quant_group(self) -> int:
+        """Elements of x per scale in hidden-int8 pages."""
+        return self.head_dim if self.hidden_size % self.head_dim == 0 else self.hidden_size
+
+    @cached_property
+    def kv_int8(self) -> Int8Geometry:
+        return _int8_geometry(self.page_bytes, 2 * self.kv_dim, 2 * self.num_kv_heads, self.head_dim)
+
+    @cached_property
+    def hidden_int8(self) -> Int8Geometry:
+        group = self.quant_group
+        return _int8_geometry(self.page_bytes, self.hidden_size, self.hidden_size // group, group)
+
+    def int8(self, kind: CacheKind) -> Int8Geometry:
+        if kind is CacheKind.KV_INT8:
+            return self.kv_int8
+        if kind is CacheKind.HIDDEN_INT8:
+            return self.hidden_int8
+        raise ValueError(f"kind: {kind.value} is not an int8 kind")
 
     def tokens_per_page(self, kind: CacheKind) -> int:
         if kind is CacheKind.KV:
             return self.block_size
-        return self.page_elems // self.hidden_size
+        if kind is CacheKind.HIDDEN:
+            return self.page_elems // self.hidden_size
+        return self.int8(kind).tokens_per_page
 
     def bytes_per_token(self, kind: CacheKind) -> int:
+        """Bytes one token takes over all layers (scales included), not counting a page's unused tail."""
+        if kind.is_int8:
+            return self.num_layers * self.int8(kind).bytes_per_token
         per_layer = 2 * self.kv_dim if kind is CacheKind.KV else self.hidden_size
         return self.num_layers * per_layer * self.dtype_bytes
 
@@ -55,6 +126,10 @@ class CacheLayout:
     @property
     def hidden_saves_memory(self) -> bool:
         return self.tokens_per_page(CacheKind.HIDDEN) > self.block_size
+
+    def saves_memory(self, kind: CacheKind) -> bool:
+        """Whether a page of ``kind`` holds more tokens than a KV page."""
+        return self.tokens_per_page(kind) > self.block_size
 
     def num_pages_for(self, num_tokens: int, kind: CacheKind) -> int:
         return math.ceil(num_tokens / self.tokens_per_page(kind))

@@ -1,4 +1,4 @@
-"""One pool of fixed-size pages shared by both cache kinds.
+"""One pool of fixed-size pages shared by every cache kind.
 
 The pool knows nothing about models or policy: it hands out page ids from one free list, records
 which request owns each page and of which kind it is, and says "no" (returns ``None``) when there
@@ -20,7 +20,7 @@ class PagePool:
         self._free: deque[int] = deque(range(num_pages))
         self._owner: list[str | None] = [None] * num_pages
         self._kind: list[CacheKind | None] = [None] * num_pages
-        self._num_used = {CacheKind.KV: 0, CacheKind.HIDDEN: 0}
+        self._num_used = dict.fromkeys(CacheKind, 0)
 
     @property
     def num_free_pages(self) -> int:

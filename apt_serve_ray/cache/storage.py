@@ -1,6 +1,9 @@
 """The cache tensors: one ``[num_pages, page_elems]`` tensor per layer, viewed per page kind.
 
 The same page id addresses the same slot in every layer. See ``layout.py`` for what a page holds.
+Int8 kinds view the same memory as bytes: ``kv_int8[l]`` ``[P, T, 2, KVH, D]`` int8 with
+``kv_int8_scale[l]`` ``[P, T, 2, KVH]`` float32; ``hidden_int8[l]`` ``[P, T, HID]`` int8 with
+``hidden_int8_scale[l]`` ``[P, T, HID // group]`` float32 (page stride ``page_bytes`` bytes).
 """
 
 from __future__ import annotations
@@ -26,7 +29,22 @@ class CacheStorage:
         self.kv_head_rows = [t.view(-1, layout.head_dim) for t in self.layers]
         flat_hidden = tpp * layout.hidden_size == layout.page_elems  # MHA: hidden pages have no tail
         self.hidden_rows = [t.view(-1, layout.hidden_size) for t in self.layers] if flat_hidden else None
+        # Int8 kinds: byte views of the same pages (data, then scales at the layout's offset).
+        self.bytes = [t.view(torch.uint8) for t in self.layers]  # [P, page_bytes]
+        self.kv_int8, self.kv_int8_scale = self._int8_views(CacheKind.KV_INT8, (2, layout.num_kv_heads, layout.head_dim))
+        self.hidden_int8, self.hidden_int8_scale = self._int8_views(CacheKind.HIDDEN_INT8, (layout.hidden_size,))
         self._workspaces: dict[str, torch.Tensor] = {}
+
+    def _int8_views(self, kind: CacheKind, token_shape: tuple[int, ...]):
+        geo = self.layout.int8(kind)
+        tpp, p = geo.tokens_per_page, self.num_pages
+        if tpp == 0:
+            return None, None
+        data = [b[:, : tpp * geo.token_elems].view(torch.int8).view(p, tpp, *token_shape) for b in self.bytes]
+        end = geo.scale_offset + tpp * geo.scales_per_token * 4
+        scale_shape = (2, self.layout.num_kv_heads) if kind is CacheKind.KV_INT8 else (geo.scales_per_token,)
+        scales = [b[:, geo.scale_offset:end].view(torch.float32).view(p, tpp, *scale_shape) for b in self.bytes]
+        return data, scales
 
     def workspace(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A scratch buffer reused across layers and steps (fresh multi-MB allocations are slow)."""

@@ -20,15 +20,18 @@ from apt_serve_ray.scheduler.output import ScheduledChunk, SchedulerOutput
 
 class Scheduler:
     def __init__(self, config: EngineConfig, cache: CacheManager, policy, hidden_allowed: bool,
-                 max_model_len: int) -> None:
+                 max_model_len: int, compressed_kinds: tuple[CacheKind, ...] | None = None) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.cache = cache
         self.policy = policy
+        # hidden_allowed gates both hidden kinds (tests flip it); compressed_kinds: the engine's offer,
+        # cheapest per step first (``EngineConfig.compressed_kinds``); None: the hidden kind alone.
         self.hidden_allowed = hidden_allowed
+        self._compressed = (CacheKind.HIDDEN,) if compressed_kinds is None else tuple(compressed_kinds)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.cache_ratio = config.cache_ratio if hidden_allowed else 0.0
+        self.cache_ratio = config.cache_ratio if self.compressed_kinds else 0.0
         self.admission_open = True  # set by the operator / cluster controller
         self.pressure_admit = True  # set by the in-engine heavy watermark
         self.num_preemptions = 0
@@ -51,13 +54,34 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    @property
+    def compressed_kinds(self) -> tuple[CacheKind, ...]:
+        """The compressed kinds a request may get now, cheapest per step first."""
+        if self.hidden_allowed:
+            return self._compressed
+        return tuple(k for k in self._compressed if not k.stores_hidden)
+
+    def num_compressed_pages(self) -> int:
+        pool = self.cache.pool
+        return pool.num_used_pages - pool.num_used(CacheKind.KV)
+
+    def compressed_share(self) -> float:
+        """Share of the used pages held in compressed kinds (what the non-adaptive policies track)."""
+        used = self.cache.pool.num_used_pages
+        return self.num_compressed_pages() / used if used else 0.0
+
     def hidden_share(self) -> float:
         used = self.cache.pool.num_used_pages
-        return self.cache.pool.num_used(CacheKind.HIDDEN) / used if used else 0.0
+        pool = self.cache.pool
+        return (pool.num_used(CacheKind.HIDDEN) + pool.num_used(CacheKind.HIDDEN_INT8)) / used if used else 0.0
+
+    def compressed_page_limit(self) -> int:
+        """The ceiling ``cache_ratio`` sets: pages of the pool that compressed kinds may hold."""
+        return int(self.cache_ratio * self.cache.pool.num_pages)
 
     def set_cache_ratio(self, ratio: float) -> None:
         """``ratio``: already checked by whoever took it in (``config.check_share``)."""
-        self.cache_ratio = ratio if self.hidden_allowed else 0.0
+        self.cache_ratio = ratio if self.compressed_kinds else 0.0
 
     # One decision ---------------------------------------------------------------------------------
     def schedule(self, now: float | None = None) -> SchedulerOutput:
@@ -110,8 +134,18 @@ class SchedulingContext:
         return self._s.hidden_allowed
 
     @property
+    def compressed_kinds(self) -> tuple[CacheKind, ...]:
+        """The compressed kinds offered now, cheapest per step first (none when ``cache_ratio`` is 0)."""
+        return self._s.compressed_kinds if self._s.cache_ratio > 0 else ()
+
+    @property
     def cache_ratio(self) -> float:
         return self._s.cache_ratio
+
+    @property
+    def compressed_pages_left(self) -> int:
+        """Pages that compressed kinds may still take under the ``cache_ratio`` ceiling."""
+        return max(0, self._s.compressed_page_limit() - self._s.num_compressed_pages())
 
     @property
     def is_admission_open(self) -> bool:
@@ -142,10 +176,11 @@ class SchedulingContext:
         return request.first_scheduled_time is not None or self.is_admission_open
 
     def default_kind(self) -> CacheKind:
-        """Track the hidden target: hidden while the measured hidden share is below it."""
-        ratio = self._s.cache_ratio
-        if self._s.hidden_allowed and ratio > 0 and (ratio >= 1.0 or self._s.hidden_share() < ratio):
-            return CacheKind.HIDDEN
+        """Track the target: the cheapest compressed kind while the compressed share of the used pages
+        is below ``cache_ratio`` (so never above it as a share of the pool either)."""
+        ratio, kinds = self._s.cache_ratio, self._s.compressed_kinds
+        if kinds and ratio > 0 and (ratio >= 1.0 or self._s.compressed_share() < ratio):
+            return kinds[0]
         return CacheKind.KV
 
     # Mutations
@@ -163,8 +198,8 @@ class SchedulingContext:
             return False
         if request.kind is None:
             kind = kind or self.default_kind()
-            if kind is CacheKind.HIDDEN and not self._s.hidden_allowed:
-                raise ValueError("kind: the hidden cache kind is disabled for this model")
+            if kind is not CacheKind.KV and kind not in self._s.compressed_kinds:
+                raise ValueError(f"kind: the {kind.value} cache kind is disabled for this model")
         elif kind is not None and kind is not request.kind:
             raise ValueError(f"kind: request {request_id} already holds {request.kind.value} pages")
         if not self._s.cache.allocate(request, num_computed + num_tokens, kind):
