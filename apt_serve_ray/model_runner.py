@@ -1,5 +1,5 @@
 """Runs one scheduled step on the model: builds the flat token batch and attention metadata from the
-``SchedulerOutput``, performs hidden->KV upgrades, runs the forward pass, samples. No policy here."""
+``SchedulerOutput``, performs compressed->KV upgrades, runs the forward pass, samples. No policy here."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from apt_serve_ray.cpu_info import has_native_bf16 as cpu_has_native_bf16
 from apt_serve_ray.model_loader import ModelSource, load_config, load_state_dict
 from apt_serve_ray.models import DecoderModel, model_class
 from apt_serve_ray.attention import AttentionMetadata, DecodeGroup, PrefillChunk, SlotWrite, make_backend
+from apt_serve_ray.attention.backend import read_kv
 from apt_serve_ray.request import CacheKind, Request
 from apt_serve_ray.sampler import SampledToken, Sampler
 from apt_serve_ray.scheduler.output import ScheduledChunk, SchedulerOutput
@@ -23,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEFAULT_CPU_CACHE_BYTES = 512 * 1024 * 1024
+_KINDS = (CacheKind.KV, CacheKind.HIDDEN, CacheKind.KV_INT8, CacheKind.HIDDEN_INT8)  # metadata's field order
 
 
 def resolve_device(name: str) -> torch.device:
@@ -43,6 +45,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
+    swap = None  # the tier below memory (a ``SwapSpace``), set by the engine when it has one
+
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
         self.config = config
         self.device = resolve_device(config.device)
@@ -97,6 +101,14 @@ class ModelRunner:
     # One step -------------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[tuple[Request, SampledToken]]:
+        # Swap-outs first: pages they free may have been given to other requests of this step. Then
+        # swap-ins (their slots are released only after the step), then upgrades, then the forward pass.
+        if out.swap_out:
+            self.swap.copy_out(self.storage, [p for plan in out.swap_out for p in plan.pages],
+                               [s for plan in out.swap_out for s in plan.slots])
+        if out.swap_in:
+            self.swap.copy_in(self.storage, [s for plan in out.swap_in for s in plan.slots],
+                              [p for plan in out.swap_in for p in plan.pages])
         for plan in out.upgrades:
             self._upgrade(plan)
         if not out.chunks:
@@ -119,8 +131,8 @@ class ModelRunner:
         (decode steps are many short rows), one tensor per field at the end."""
         ids: list[int] = []
         positions: list[int] = []
-        writes = {CacheKind.KV: ([], []), CacheKind.HIDDEN: ([], [])}  # (rows, slots)
-        decodes = {CacheKind.KV: [], CacheKind.HIDDEN: []}  # (row, context length, pages)
+        writes = {kind: ([], []) for kind in CacheKind}  # (rows, slots)
+        decodes = {kind: [] for kind in CacheKind}  # (row, context length, pages)
         prefills: list[PrefillChunk] = []
         sample_rows: list[int] = []
         sample_requests: list[Request] = []
@@ -138,10 +150,10 @@ class ModelRunner:
             if n == 1:
                 decodes[r.kind].append((row, end, page_ids[: (end + tpp - 1) // tpp]))
             else:
-                c = PrefillChunk(row, n, start, r.kind is CacheKind.HIDDEN)
-                if r.kind is CacheKind.KV:
+                c = PrefillChunk(row, n, start, r.kind)
+                if not r.kind.stores_hidden:
                     c.block_table = self._to(torch.tensor(page_ids[: (end + tpp - 1) // tpp], dtype=torch.int32))
-                if start > 0:
+                if start > 0 or r.kind.is_int8:  # int8 chunks attend over their stored (dequantised) K/V
                     ctx = torch.arange(end)
                     c.pages, c.offsets = self._to(torch.tensor(page_ids)[ctx // tpp]), self._to(ctx % tpp)
                 prefills.append(c)
@@ -150,10 +162,10 @@ class ModelRunner:
                 sample_requests.append(r)
             row += n
         meta = AttentionMetadata(storage=self.storage, num_tokens=row, backend=self.attention, prefills=prefills)
-        meta.kv_write = self._slot_write(*writes[CacheKind.KV], CacheKind.KV)
-        meta.hidden_write = self._slot_write(*writes[CacheKind.HIDDEN], CacheKind.HIDDEN)
-        meta.decode_kv = self._decode_group(decodes[CacheKind.KV], CacheKind.KV)
-        meta.decode_hidden = self._decode_group(decodes[CacheKind.HIDDEN], CacheKind.HIDDEN)
+        meta.kv_write, meta.hidden_write, meta.kv_int8_write, meta.hidden_int8_write = (
+            self._slot_write(*writes[kind], kind) for kind in _KINDS)
+        meta.decode_kv, meta.decode_hidden, meta.decode_kv_int8, meta.decode_hidden_int8 = (
+            self._decode_group(decodes[kind], kind) for kind in _KINDS)
         return self._to(torch.tensor(ids)), self._to(torch.tensor(positions)), meta, sample_rows, sample_requests
 
     def _to(self, t: torch.Tensor) -> torch.Tensor:
@@ -181,17 +193,18 @@ class ModelRunner:
         )
 
     def _upgrade(self, plan: UpgradePlan) -> None:
-        """Project K/V of every stored x into the new KV pages, layer by layer."""
+        """Fill the new KV pages from the old ones, layer by layer: K/V projected from stored x
+        (hidden), dequantised (kv-int8), or both (hidden-int8)."""
         if plan.num_tokens == 0:
             return
         pos = torch.arange(plan.num_tokens)
-        tpp = self.layout.tokens_per_page(CacheKind.HIDDEN)
+        tpp = self.layout.tokens_per_page(plan.from_kind)
         src_pages = self._to(torch.tensor(plan.hidden_pages)[pos // tpp])
         src_offs = self._to(pos % tpp)
         dst_pages = self._to(torch.tensor(plan.kv_pages)[pos // self.layout.block_size])
         dst_offs = self._to(pos % self.layout.block_size)
         pos = self._to(pos)
         for layer in range(self.layout.num_layers):
-            x = self.storage.hidden[layer][src_pages, src_offs]
-            k, v = self.model.project_kv(layer, x, pos)
+            k, v = read_kv(layer, self.storage, plan.from_kind, src_pages, src_offs,
+                           self.model.kv_projections[layer], pos, self.dtype)
             self.storage.kv[layer][dst_pages, dst_offs] = torch.stack((k, v), dim=1)

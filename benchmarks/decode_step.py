@@ -11,13 +11,18 @@ of B requests, each with C tokens of context, for every combination of:
 
 * attention backend: ``torch`` (the PyTorch reference: gather pages into a padded batch, then
   attend) and the device's fast one (``cpu``: C++ kernels reading pages in place; ``triton`` on CUDA);
-* cache kind: KV, hidden fused (``cache_proj_optimize=True``), hidden unfused (gather x, project K/V);
+* cache kind: KV, hidden fused (``cache_proj_optimize=True``), hidden unfused (gather x, project K/V),
+  and the int8 kinds (kv-int8, hidden-int8 fused) beside them, with each int8 kind's time over its
+  base kind's (``--configs`` picks a subset);
 * ``--device cuda --shape opt-13b-2l``: the same at OPT-13B layer shapes on a GPU (``gpu_check.sh``);
 * dtype and torch threads (``--dtypes``, ``--threads``).
 
-Every configuration gets its own engine over the same checkpoint and the same requests, and the
+Every configuration gets its own engine over the same checkpoint and the same requests (their pages
+filled with random contents of their kind: never-written pages would all read one zero page), and the
 configurations are interleaved per batch shape (round-robin, fastest of ``--repeats``), so a slow
-phase of a shared machine hits them alike. Timing is wall time (CPU time would sum threads).
+phase of a shared machine hits them alike. Timing is wall time (CPU time would sum threads), or with
+``--clock thread`` (one thread only) the calling thread's CPU time: on a machine shared with other
+work it leaves out the time the step waited for a core.
 
 ``--profile`` adds a torch.profiler breakdown of one configuration's decode step (``--profile-config``)
 by operator group (linear layers, attention, elementwise, ...). Outputs: a table on stdout and
@@ -51,14 +56,22 @@ CONFIGS = {
     "torch hidden": ("torch", CacheKind.HIDDEN, False),
     "fast hidden unfused": ("fast", CacheKind.HIDDEN, False),
     "fast hidden fused": ("fast", CacheKind.HIDDEN, True),
+    "torch kv-int8": ("torch", CacheKind.KV_INT8, False),
+    "fast kv-int8": ("fast", CacheKind.KV_INT8, True),
+    "torch hidden-int8": ("torch", CacheKind.HIDDEN_INT8, False),
+    "fast hidden-int8 fused": ("fast", CacheKind.HIDDEN_INT8, True),
 }
+# int8 kind -> its base kind: the ratio printed per batch shape (the int8 kernels' cost over the exact kind's).
+INT8_BASES = {"fast kv-int8": "fast kv", "fast hidden-int8 fused": "fast hidden fused",
+              "torch kv-int8": "torch kv", "torch hidden-int8": "torch hidden"}
 
 
 def build(path: str, backend: str, fused: bool, dtype: str, num_pages: int, device: str) -> LLM:
     if backend == "fast":
         backend = "triton" if device == "cuda" else "cpu"
     return LLM(path, dtype=dtype, num_pages=num_pages, attention_backend=backend, cache_proj_optimize=fused,
-               device=device, force_hidden=False, enable_watermarks=False, calibrate_rho=False, max_model_len=2048)
+               device=device, force_hidden=False, enable_watermarks=False, calibrate_rho=False, max_model_len=2048,
+               cache_kinds=("hidden", "kv-int8", "hidden-int8"))
 
 
 def decode_batch(llm: LLM, batch: int, context: int, kind: CacheKind) -> SchedulerOutput:
@@ -69,17 +82,34 @@ def decode_batch(llm: LLM, batch: int, context: int, kind: CacheKind) -> Schedul
     if need * batch > runner.num_pages:
         raise ValueError(f"{batch} x {context} tokens of {kind.value} do not fit {runner.num_pages} pages")
     requests = [_fake_request(i, context, 1, vocab, list(range(i * need, (i + 1) * need)), kind) for i in range(batch)]
+    fill_pages(runner.storage, kind, need * batch)
     return SchedulerOutput([ScheduledChunk(r, 1) for r in requests])
 
 
-def time_step(llm: LLM, out: SchedulerOutput) -> float:
+def fill_pages(storage, kind: CacheKind, num_pages: int) -> None:
+    """Random contents in the first ``num_pages`` pages of every layer, in ``kind``'s layout. Pages never
+    written read as the kernel's shared zero page: every byte an L1 hit, which hides what a kind's
+    bytes cost (and int8 pages need finite scales)."""
+    g = torch.Generator().manual_seed(0)
+    for layer in range(len(storage.layers)):
+        if kind.is_int8:
+            data, scales = ((storage.kv_int8, storage.kv_int8_scale) if kind is CacheKind.KV_INT8
+                            else (storage.hidden_int8, storage.hidden_int8_scale))
+            pages = data[layer][:num_pages]
+            pages.copy_(torch.randint(-127, 128, pages.shape, generator=g, dtype=torch.int8))
+            scales[layer][:num_pages].uniform_(0.005, 0.02, generator=g)
+        else:
+            storage.layers[layer][:num_pages].normal_(generator=g)
+
+
+def time_step(llm: LLM, out: SchedulerOutput, clock=time.perf_counter) -> float:
     runner = llm.llm_engine.runner
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
     sync()
-    t = time.perf_counter()
+    t = clock()
     runner.execute(out)
     sync()
-    return time.perf_counter() - t
+    return clock() - t
 
 
 def profile_step(llm: LLM, out: SchedulerOutput, steps: int = 5) -> dict[str, float]:
@@ -121,6 +151,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--clock", choices=["wall", "thread"], default="wall",
+                   help="thread: CPU time of the calling thread (with --threads 1 only)")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--profile-config", default="fast kv")
     p.add_argument("--profile-batch", type=int, default=8)
@@ -133,6 +165,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.batches, args.contexts = [1, 8, 32], [400]
+    if args.clock == "thread" and (args.threads != [1] or args.device != "cpu"):
+        p.error("--clock thread times one CPU thread: use it with --threads 1 on the CPU")
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
     path = make_random_checkpoint(args.cache_dir / f"{args.shape}-bf16", args.shape, dtype="bfloat16")
     num_pages = max(args.batches) * -(-max(args.contexts) // 16) + 8  # every request on its own KV pages
     rows, profiles = [], {}
@@ -152,13 +187,15 @@ def main(argv=None) -> int:
                         time_step(engines[n], outs[n])  # warm-up
                     for _ in range(args.repeats):
                         for n in args.configs:
-                            best[n] = min(best[n], time_step(engines[n], outs[n]))
+                            best[n] = min(best[n], time_step(engines[n], outs[n], clock))
                     for n in args.configs:
                         rows.append(dict(threads=threads, dtype=dtype, batch=batch, context=context, config=n,
                                          step_ms=best[n] * 1e3))
                     ref = best.get("torch kv")
                     line = "  ".join(f"{n} {best[n] * 1e3:7.1f}" for n in args.configs)
                     ratio = f"  | torch kv / fast kv {ref / best['fast kv']:.2f}x" if ref and "fast kv" in best else ""
+                    ratio += "".join(f"  | {n} / {b} {best[n] / best[b]:.2f}x" for n, b in INT8_BASES.items()
+                                     if n in best and b in best)
                     print(f"threads={threads} {dtype:8s} B={batch:3d} ctx={context:5d} ms: {line}{ratio}", flush=True)
             if args.profile and args.profile_config in engines:
                 out = decode_batch(engines[args.profile_config], args.profile_batch, args.profile_context,
@@ -171,7 +208,8 @@ def main(argv=None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(dict(
             device=device, cpu=cpu_name(), native_bf16=cpu_has_native_bf16(), torch=torch.__version__,
-            argv=sys.argv[1:], model=f"{args.shape} shape, random weights", rows=rows, profiles=profiles,
+            argv=sys.argv[1:], clock=args.clock, model=f"{args.shape} shape, random weights", rows=rows,
+            profiles=profiles,
         ), indent=1))
     return 0
 

@@ -10,7 +10,7 @@ params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5
 prompts = [[11, 12, 13, 14, 15], [21] * 19, [31] * 9]
 outs = {}
 for backend in ("torch", "triton"):
-    llm = LLM(path, dtype="float32", num_pages=32, cache_ratio=0.5, enable_watermarks=False,
+    llm = LLM(path, dtype="float32", num_pages=32, cache_ratio=0.5, enable_watermarks=False, policy="sarathi",
               attention_backend=backend, calibrate_rho=False)
     assert llm.llm_engine.runner.attention.name == backend
     outs[backend] = llm.generate(prompts, params)

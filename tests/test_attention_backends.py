@@ -152,7 +152,7 @@ def _prompts(n, seed, lo=3, hi=90):
 
 def _generate(path, backend, fused=True, dtype="float32", **kw):
     llm = LLM(path, dtype=dtype, num_pages=300, attention_backend=backend, cache_proj_optimize=fused,
-              enable_watermarks=False, max_num_batched_tokens=48, calibrate_rho=False, **kw)
+              enable_watermarks=False, max_num_batched_tokens=48, calibrate_rho=False, policy="sarathi", **kw)
     outs = llm.generate(_prompts(6, seed=11), PARAMS)
     stats = llm.cache_stats()
     assert stats.num_free_pages == stats.num_pages
@@ -192,7 +192,7 @@ def test_engine_on_cpu_kernels_in_bfloat16_stays_close(opt_tiny):
 
 
 def test_prompt_logits_hidden_equal_kv_on_cpu_kernels(llama_tiny):
-    llm = LLM(llama_tiny, dtype="float32", num_pages=64, cache_ratio=1.0, attention_backend="cpu")
+    llm = LLM(llama_tiny, dtype="float32", num_pages=64, cache_ratio=1.0, attention_backend="cpu", policy="sarathi")
     ids = _prompts(1, seed=3, lo=40, hi=41)[0]
     engine = llm.llm_engine
     assert torch.allclose(engine.prompt_logits(ids, CacheKind.KV), engine.prompt_logits(ids, CacheKind.HIDDEN),

@@ -2,14 +2,22 @@
 
 Per layer, for the flat batch of this step's tokens (``forward``):
 
-1. write: KV requests store this step's rotated K and V, hidden requests store only x;
+1. write: KV requests store this step's rotated K and V, hidden requests store only x; the int8 kinds
+   store the same quantised on write (``cache/quant.py``: KV per token, K or V, and head; x per token
+   and ``quant_group`` elements), the scales beside the data in the page;
 2. decode rows (one query token), batched by kind -- the part each backend implements its own way;
    here: KV rows gather K/V from their pages into a padded batch; hidden rows gather their stored x
    and project K/V for the whole context in one matrix product (RoPE at the original positions);
-3. prefill chunks, one SDPA each: a chunk starting at position 0 attends over its fresh K/V, a
-   later chunk gathers its context from the cache (of its own kind); the CPU backend has its own.
+   int8 rows gather and dequantise (to the query's dtype), then attend like their base kind;
+3. prefill chunks, one SDPA each: a KV or hidden chunk starting at position 0 attends over its fresh
+   K/V, a later chunk reads its context from the cache in its own kind (``read_kv``); int8 chunks
+   always read it from the cache, their own tokens included (just written): every key an int8
+   request ever attends over is the dequantised one, so its outputs do not depend on how the
+   scheduler chunked or batched it (nor on a preemption's recompute). The CPU backend has its own.
 
-Every request reads only its own pages in its own kind, so mixed batches are exact for both kinds.
+Every request reads only its own pages in its own kind, so mixed batches are exact for every kind.
+Padded decode slots read any page (page 0, or the stale tail of the request's last page), whose bytes
+in another kind may be NaN as floats: they are zeroed before attending, not only masked.
 """
 
 from __future__ import annotations
@@ -18,7 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from apt_serve_ray.attention.metadata import AttentionMetadata, DecodeGroup, KVProjection, PrefillChunk
+from apt_serve_ray.cache.quant import dequantize, quantize
 from apt_serve_ray.cache.storage import CacheStorage
+from apt_serve_ray.request import CacheKind
 
 
 class AttentionBackend:
@@ -47,6 +57,12 @@ class AttentionBackend:
         if meta.decode_hidden is not None:
             g = meta.decode_hidden
             out[g.rows] = self.decode_hidden(layer, q[g.rows].contiguous(), g, storage, proj, scale)
+        if meta.decode_kv_int8 is not None:
+            g = meta.decode_kv_int8
+            out[g.rows] = self.decode_kv_int8(layer, q[g.rows].contiguous(), g, storage, scale)
+        if meta.decode_hidden_int8 is not None:
+            g = meta.decode_hidden_int8
+            out[g.rows] = self.decode_hidden_int8(layer, q[g.rows].contiguous(), g, storage, proj, scale)
         for c in meta.prefills:
             s, e = c.row_start, c.row_start + c.num_tokens
             out[s:e] = self.prefill(layer, q[s:e], k[s:e], v[s:e], c, storage, proj, scale)
@@ -66,6 +82,17 @@ class AttentionBackend:
                 storage.hidden_rows[layer].index_copy_(0, w.slots, x[w.rows])
             else:
                 storage.hidden[layer][w.pages, w.offsets] = x[w.rows]
+        if meta.kv_int8_write is not None:
+            w = meta.kv_int8_write
+            kv_new = torch.stack((k[w.rows], v[w.rows]), dim=1)  # [n, 2, KVH, D]
+            data, scales = quantize(kv_new.flatten(1), kv_new.shape[-1])
+            storage.kv_int8[layer][w.pages, w.offsets] = data.view(kv_new.shape)
+            storage.kv_int8_scale[layer][w.pages, w.offsets] = scales.view(kv_new.shape[:-1])
+        if meta.hidden_int8_write is not None:
+            w = meta.hidden_int8_write
+            data, scales = quantize(x[w.rows], storage.layout.quant_group)
+            storage.hidden_int8[layer][w.pages, w.offsets] = data
+            storage.hidden_int8_scale[layer][w.pages, w.offsets] = scales
 
     # 2. decode ------------------------------------------------------------------------------------
     def decode_kv(self, layer: int, q, g: DecodeGroup, storage: CacheStorage, scale: float) -> torch.Tensor:
@@ -75,6 +102,7 @@ class AttentionBackend:
         kv = torch.index_select(storage.kv_head_rows[layer], 0, kv_index,
                                 out=storage.workspace("decode_kv", (kv_index.numel(), dim), storage.dtype))
         kv = kv.view(2, batch, kvh, length, dim)
+        kv.masked_fill_(_gather_index(g, "padding", storage)[None, ..., None], 0)
         return _decode_attend(q, kv[0], kv[1], _gather_index(g, "add_mask", storage), scale)
 
     def decode_hidden(self, layer: int, q, g: DecodeGroup, storage: CacheStorage, proj: KVProjection,
@@ -89,6 +117,26 @@ class AttentionBackend:
             xs = xs.view(batch, length, hid)
         else:
             xs = hidden_cache[_gather_index(g, "pages", storage), _gather_index(g, "offsets", storage)]
+        xs.masked_fill_(_gather_index(g, "padding", storage).view(batch, length, 1), 0)
+        return self._attend_projected(q, xs, g, storage, proj, scale)
+
+    def decode_kv_int8(self, layer: int, q, g: DecodeGroup, storage: CacheStorage, scale: float) -> torch.Tensor:
+        keys, values = read_kv(layer, storage, CacheKind.KV_INT8, _gather_index(g, "pages", storage),
+                               _gather_index(g, "offsets", storage), None, None, q.dtype,
+                               _gather_index(g, "valid", storage))  # [B, L, KVH, D]
+        return _decode_attend(q, keys.transpose(1, 2), values.transpose(1, 2), _gather_index(g, "add_mask", storage),
+                              scale)
+
+    def decode_hidden_int8(self, layer: int, q, g: DecodeGroup, storage: CacheStorage, proj: KVProjection,
+                           scale: float) -> torch.Tensor:
+        xs = read_x(layer, storage, CacheKind.HIDDEN_INT8, _gather_index(g, "pages", storage),
+                    _gather_index(g, "offsets", storage), q.dtype, _gather_index(g, "valid", storage))
+        return self._attend_projected(q, xs, g, storage, proj, scale)
+
+    @staticmethod
+    def _attend_projected(q, xs, g: DecodeGroup, storage: CacheStorage, proj: KVProjection, scale: float):
+        """The unfused hidden decode after the gather: project K/V of x [B, L, HID], then attend."""
+        batch, length = len(g), g.max_len
         keys, values = proj(xs, _gather_index(g, "positions", storage))  # [B, L, KVH, D]
         kvh, dim = keys.shape[-2:]
         kv = storage.workspace("decode_hidden_kv", (2, batch, kvh, length, dim), keys.dtype)
@@ -101,21 +149,49 @@ class AttentionBackend:
     def prefill(layer: int, q, k, v, c: PrefillChunk, storage: CacheStorage, proj: KVProjection,
                 scale: float) -> torch.Tensor:
         qc = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        if c.start_pos == 0:
+        if c.start_pos == 0 and not c.kind.is_int8:
             keys, values, mask, causal = k, v, None, True
         else:
-            if c.is_hidden:
-                positions = torch.arange(c.start_pos + c.num_tokens, device=q.device)
-                keys, values = proj(storage.hidden[layer][c.pages, c.offsets], positions)
-            else:
-                kv = storage.kv[layer][c.pages, c.offsets]
-                keys, values = kv[:, 0], kv[:, 1]
+            positions = torch.arange(c.start_pos + c.num_tokens, device=q.device)
+            keys, values = read_kv(layer, storage, c.kind, c.pages, c.offsets, proj, positions, q.dtype)
             mask, causal = _chunk_mask(c, q.device), False
         o = F.scaled_dot_product_attention(
             qc, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
             attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
         )
         return o[0].transpose(0, 1)
+
+
+def read_x(layer: int, storage: CacheStorage, kind: CacheKind, pages, offsets, dtype: torch.dtype,
+           valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Stored x [..., n, HID] at ``pages``/``offsets`` [..., n] of a hidden or hidden-int8 page (the
+    latter dequantised to ``dtype``). ``valid`` [..., n]: slots outside it read as zeros."""
+    if kind is CacheKind.HIDDEN:
+        xs = storage.hidden[layer][pages, offsets]
+        return xs if valid is None else xs.masked_fill(~valid[..., None], 0)
+    scales = storage.hidden_int8_scale[layer][pages, offsets]
+    if valid is not None:  # zero scales make the slot exactly 0 whatever its bytes
+        scales = scales.masked_fill(~valid[..., None], 0)
+    return dequantize(storage.hidden_int8[layer][pages, offsets], scales, storage.layout.quant_group, dtype)
+
+
+def read_kv(layer: int, storage: CacheStorage, kind: CacheKind, pages, offsets, proj: KVProjection | None,
+            positions, dtype: torch.dtype, valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V [..., n, KVH, D] (K rotated) of the tokens stored at ``pages``/``offsets`` [..., n] in
+    ``kind``: read, dequantised to ``dtype``, and projected from x at ``positions`` [n] (``proj``)
+    for the kinds that store x. ``valid`` [..., n]: slots outside it read as zeros (padding)."""
+    if kind.stores_hidden:
+        return proj(read_x(layer, storage, kind, pages, offsets, dtype, valid), positions)
+    if kind is CacheKind.KV:
+        kv = storage.kv[layer][pages, offsets]  # [..., n, 2, KVH, D]
+        if valid is not None:
+            kv = kv.masked_fill(~valid[..., None, None, None], 0)
+    else:
+        data, scales = storage.kv_int8[layer][pages, offsets], storage.kv_int8_scale[layer][pages, offsets]
+        if valid is not None:
+            scales = scales.masked_fill(~valid[..., None, None], 0)
+        kv = dequantize(data.flatten(-3), scales.flatten(-2), data.shape[-1], dtype).view(data.shape)
+    return kv[..., 0, :, :], kv[..., 1, :, :]
 
 
 def _decode_attend(q, keys, values, add_mask, scale: float) -> torch.Tensor:
@@ -140,9 +216,12 @@ def _gather_index(g: DecodeGroup, name: str, storage: CacheStorage) -> torch.Ten
     pages = g.block_table.long()[:, pos // tpp]
     offsets = (pos % tpp).expand(batch, length)
     slots = pages * tpp + offsets
-    padding = (pos[None, :] >= g.ctx_lens.long()[:, None])[:, None, None, :]
-    add_mask = torch.zeros(padding.shape, dtype=torch.float32, device=device).masked_fill_(padding, float("-inf"))
-    g.scratch.update(pages=pages, offsets=offsets, slots=slots.flatten(), positions=pos, add_mask=add_mask)
+    valid = pos[None, :] < g.ctx_lens.long()[:, None]  # [B, L]
+    padding = ~valid[:, None, :]  # [B, 1, L]: zeroed in gathered K/V or x, -inf in the scores
+    add_mask = torch.zeros((batch, 1, 1, length), dtype=torch.float32, device=device)
+    add_mask.masked_fill_(padding[:, None], float("-inf"))
+    g.scratch.update(pages=pages, offsets=offsets, slots=slots.flatten(), positions=pos, add_mask=add_mask,
+                     valid=valid, padding=padding)
     if name == "kv_index":
         # Rows of head_dim elements: ((slot * 2 + k_or_v) * kv_heads + head), laid out [2, B, KVH, L].
         kvh = storage.layout.num_kv_heads

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from apt_serve_ray.cache.storage import CacheStorage
+from apt_serve_ray.request import CacheKind
 
 if TYPE_CHECKING:
     from apt_serve_ray.attention.backend import AttentionBackend
@@ -73,19 +74,32 @@ class PrefillChunk:
     row_start: int
     num_tokens: int
     start_pos: int  # position of the chunk's first token
-    is_hidden: bool
-    pages: torch.Tensor | None = None  # [ctx] page of each context slot, only when start_pos > 0
+    kind: CacheKind  # the kind of the request's pages (what a later chunk reads its context from)
+    pages: torch.Tensor | None = None  # [ctx] page of each context slot: start_pos > 0, or an int8 kind
     offsets: torch.Tensor | None = None
-    block_table: torch.Tensor | None = None  # [pages] int32: the request's pages (KV chunks)
+    block_table: torch.Tensor | None = None  # [pages] int32: the request's pages (kv and kv-int8 chunks)
+
+    @property
+    def is_hidden(self) -> bool:
+        """The pages hold x (hidden, hidden-int8), not K/V."""
+        return self.kind.stores_hidden
 
 
 @dataclass
 class AttentionMetadata:
+    """One step's writes and decode groups, one of each per cache kind (None: no row of that kind),
+    and its prefill chunks (each carries its own kind). A decode group's ``tokens_per_page`` is its
+    kind's; int8 writes store q and its scales (``cache/quant.py``) in the kind's storage views."""
+
     storage: CacheStorage
     num_tokens: int
     backend: "AttentionBackend"
     kv_write: SlotWrite | None = None
     hidden_write: SlotWrite | None = None
+    kv_int8_write: SlotWrite | None = None
+    hidden_int8_write: SlotWrite | None = None
     decode_kv: DecodeGroup | None = None
     decode_hidden: DecodeGroup | None = None
+    decode_kv_int8: DecodeGroup | None = None
+    decode_hidden_int8: DecodeGroup | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)

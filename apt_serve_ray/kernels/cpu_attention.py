@@ -1,8 +1,8 @@
 """CPU decode attention that reads cache pages where they sit (C++/OpenMP), with PyTorch references.
 
-The extension (``csrc/``: decode in ``cpu_attention.cpp`` and ``cpu_hidden.cpp`` on the skeleton of
-``flash_decode.h``, prefill in ``cpu_prefill.cpp``, SIMD in ``simd.h``) is compiled on first use with ``torch.utils.cpp_extension``
-(g++ and ninja; ``scripts/setup.sh`` builds it ahead of time) for this CPU (``-march=native``): the
+The extension (``csrc/``: decode in ``cpu_attention.cpp``, ``cpu_hidden.cpp`` and ``cpu_kv_int8.cpp`` on
+the skeleton of ``flash_decode.h``, prefill in ``cpu_prefill.cpp``, SIMD in ``simd.h``) is compiled on
+first use with ``torch.utils.cpp_extension`` (g++ and ninja; ``scripts/setup.sh`` builds it ahead of time) for this CPU (``-march=native``): the
 build directory is keyed by the source, the torch version and the CPU's feature flags, so a machine
 with another CPU builds its own copy. ``load()`` raises ``RuntimeError`` saying what is missing when
 it cannot build; ``is_available()`` only answers.
@@ -14,6 +14,13 @@ Layouts the wrappers assert (B requests, H query heads, KVH kv heads, D head dim
     hidden       [P, TPP, HID]          one layer's hidden view (page stride free, tokens contiguous)
     block_table  [B, max_pages] int32   each request's pages in order, padded with any page id
     ctx_lens     [B] int32              tokens to attend over (stored, including the new one)
+    kv_int8      [P, T, 2, KVH, D] int8 + kv_scale [P, T, 2, KVH] float32 (storage.kv_int8[l] and _scale)
+    hidden_int8  [P, T, HID] int8 + hidden_scale [P, T, HID // group] float32
+
+Int8 pages (``cache/quant.py``: x ~= q * s) are read in place too: kv-int8 rows are widened to float32
+in registers (score = s_k * (q . k8), acc += p * s_v * v8); a hidden-int8 page is dequantised once,
+into a thread-local tile of the model's dtype, then attended as a hidden page. These paths use only
+``simd.h``'s vectors, so they run on AVX-512, AVX2 (and scalar) builds alike.
 
 Hidden decode comes in two forms. Without RoPE (OPT) the projection is absorbed into the query:
 ``q.(W_k x + b_k) = (W_k^T q).x + q.b_k``; the constant drops out of the softmax, so the kernel scores
@@ -37,12 +44,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from apt_serve_ray.cache.quant import dequantize
 from apt_serve_ray.cpu_info import cpu_name, cpuinfo_field
 
 logger = logging.getLogger("apt_serve_ray")
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("cpu_attention.cpp", "cpu_hidden.cpp", "cpu_prefill.cpp")]
+_SOURCES = [_CSRC / name for name in ("cpu_attention.cpp", "cpu_hidden.cpp", "cpu_prefill.cpp", "cpu_kv_int8.cpp")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-std=c++17"]
 
 
@@ -144,6 +152,32 @@ def hidden_decode_projected(q, hidden, block_table, ctx_lens, w_kv_t, b_kv, cos,
                                                 int(num_kv_heads), float(scale), int(part_tokens))
 
 
+def kv_int8_decode(q, kv, kv_scale, block_table, ctx_lens, scale: float, part_tokens: int = 0) -> torch.Tensor:
+    """[B, H, D] attention of each request's query over its kv-int8 pages (``q``'s dtype out)."""
+    load()
+    return torch.ops.apt_serve.kv_int8_decode(q, kv, kv_scale, block_table, ctx_lens, float(scale), int(part_tokens))
+
+
+def hidden_int8_decode_absorbed(q, hidden, hidden_scale, block_table, ctx_lens, w_kv, b_kv, num_kv_heads: int,
+                                scale: float, part_tokens: int = 0) -> torch.Tensor:
+    """``hidden_decode_absorbed`` over hidden-int8 pages."""
+    kv_dim = w_kv.shape[0] // 2
+    qk = absorb_query(q, w_kv[:kv_dim], num_kv_heads, scale)
+    load()
+    # The page is dequantised to the model's dtype, as the reference does (bf16: the bf16 kernel's speed).
+    y = torch.ops.apt_serve.hidden_int8_absorbed(qk, hidden, hidden_scale, block_table, ctx_lens,
+                                                 q.dtype == torch.bfloat16, int(part_tokens))
+    return apply_value(y, w_kv[kv_dim:], None if b_kv is None else b_kv[kv_dim:], num_kv_heads, q.dtype)
+
+
+def hidden_int8_decode_projected(q, hidden, hidden_scale, block_table, ctx_lens, w_kv_t, b_kv, cos, sin,
+                                 num_kv_heads: int, scale: float, part_tokens: int = 0) -> torch.Tensor:
+    """``hidden_decode_projected`` over hidden-int8 pages (each page dequantised to the model's dtype)."""
+    load()
+    return torch.ops.apt_serve.hidden_int8_projected(q, hidden, hidden_scale, block_table, ctx_lens, w_kv_t, b_kv,
+                                                     cos, sin, int(num_kv_heads), float(scale), int(part_tokens))
+
+
 def prefill_supported(head_dim: int, dtype: torch.dtype) -> bool:
     """Whether ``prefill_attention`` takes this head size and dtype (AVX-512 builds only)."""
     load()
@@ -172,6 +206,12 @@ def kv_decode_reference(q, kv, block_table, ctx_lens, scale: float) -> torch.Ten
     mask = (pos[None, :] < ctx_lens[:, None].long())[:, None, None, :]
     o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=heads != kvh)
     return o.squeeze(2)
+
+
+def kv_int8_decode_reference(q, kv, kv_scale, block_table, ctx_lens, scale: float) -> torch.Tensor:
+    """Dequantise every page (float32), then ``kv_decode_reference``."""
+    return kv_decode_reference(q.float(), dequantize(kv, kv_scale.unsqueeze(-1), kv.shape[-1]), block_table, ctx_lens,
+                               scale)
 
 
 if __name__ == "__main__":  # `python -m apt_serve_ray.kernels.cpu_attention`: build now (set-up scripts)

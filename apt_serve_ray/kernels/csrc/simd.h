@@ -61,6 +61,19 @@ inline vf vexp2_int(vf i) {  // 2^i for integral i in [-127, 0]
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(i), _mm512_set1_epi32(127)), 23));
 }
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+inline vf vload_i8(const int8_t* p) {  // W int8 -> W floats (sign-extend, convert)
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline void vstore_bf16(bf16* p, vf v) {  // W floats -> W bf16, round to nearest even (finite values)
+#if defined(__AVX512BF16__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+  return;
+#endif
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int W = 8;
 using vf = __m256;
@@ -93,6 +106,14 @@ inline vf vexp2_int(vf i) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(i), _mm256_set1_epi32(127)), 23));
 }
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+inline vf vload_i8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline void vstore_bf16(bf16* p, vf v) {
+  alignas(32) float f[W];
+  _mm256_store_ps(f, v);
+  for (int j = 0; j < W; ++j) p[j] = bf16(f[j]);
+}
 #else
 constexpr int W = 1;
 using vf = float;
@@ -132,6 +153,8 @@ inline vf vexp2_int(vf i) {
   return f;
 }
 inline void prefetch(const void*) {}
+inline vf vload_i8(const int8_t* p) { return static_cast<float>(*p); }
+inline void vstore_bf16(bf16* p, vf v) { *p = bf16(v); }
 #endif
 
 template <typename T>
@@ -151,6 +174,29 @@ void unsplit_row(const float* in, float* out, int64_t n) {
       out[c + 2 * j] = in[c + j];
       out[c + 2 * j + 1] = in[c + W + j];
     }
+}
+
+// Int8 rows (natural order): x = q * s, one scale per ``group`` consecutive elements (cache/quant.py),
+// dequantised into float or bf16 (rounded to nearest even, as ``dequantize(...).to(bf16)`` does).
+template <typename T>
+void dequant_row(const int8_t* q, const float* s, int64_t n, int64_t group, T* out) {
+  for (int64_t g0 = 0, gi = 0; g0 < n; g0 += group, ++gi) {
+    const vf sv = vset1(s[gi]);
+    int64_t i = g0;
+    const int64_t end = std::min(n, g0 + group);
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, bf16>)  // two vectors per conversion and store (halves the bf16 part)
+      for (; i + 2 * W <= end; i += 2 * W) {
+        const __m512bh r = _mm512_cvtne2ps_pbh(vmul(vload_i8(q + i + W), sv), vmul(vload_i8(q + i), sv));
+        _mm512_storeu_si512(out + i, reinterpret_cast<__m512i>(r));
+      }
+#endif
+    for (; i + W <= end; i += W) {
+      const vf x = vmul(vload_i8(q + i), sv);
+      if constexpr (std::is_same_v<T, bf16>) vstore_bf16(out + i, x); else vstore(out + i, x);
+    }
+    for (; i < end; ++i) store(out + i, static_cast<float>(q[i]) * s[gi]);
+  }
 }
 
 // Scalar fallbacks for rows of any length (natural order).
