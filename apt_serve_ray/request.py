@@ -109,6 +109,9 @@ class Request:
         self.kind: CacheKind | None = None
         self.last_kind: CacheKind | None = None  # kept after the pages are freed, for metrics
         self.page_ids: list[int] = []
+        # Swapped out (preempted into the tier below memory): the slots holding its pages, in order.
+        # It keeps ``kind`` and ``num_computed_tokens`` and holds no pages until it is swapped back in.
+        self.swap_slots: list[int] = []
 
         # Timestamps (time.monotonic seconds) for every latency metric.
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
@@ -120,6 +123,7 @@ class Request:
         self.finish_time: float | None = None
         self.num_preemptions = 0
         self.num_upgrades = 0
+        self.num_swaps = 0  # preemptions that kept its pages in the tier below memory
 
     # Token counts -------------------------------------------------------------------------------
     @property
@@ -141,6 +145,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def is_swapped(self) -> bool:
+        """Its computed tokens wait in the tier below memory (``swap_slots``), not in pages."""
+        return bool(self.swap_slots)
 
     @property
     def is_decoding(self) -> bool:

@@ -45,6 +45,11 @@ class CacheStats:
     tokens_per_page_by_kind: dict[str, int] | None = None
     compressed_kinds: tuple[str, ...] = ()  # offered by this engine, cheapest per step first
     compressed_share: float = 0.0  # share of the used pages in compressed kinds
+    # The tier below memory (``swap_space``): slots of one page each, in total and in use; preemptions
+    # that kept their pages there since the engine started (the rest of num_preemptions recompute).
+    num_swap_slots: int = 0
+    num_used_swap_slots: int = 0
+    num_swap_outs: int = 0
 
     def as_load(self) -> dict:
         """The load-report keys of ``AsyncLLMEngine.load()`` (per-kind figures as ``{"kv", "hidden"}``)."""
@@ -83,3 +88,5 @@ class StepStats:
     num_upgrades: int  # hidden -> KV upgrades run before the forward pass
     preempt_causes: tuple[str, ...]  # one per request preempted this step: "memory" or "policy"
     cache: CacheStats  # after the step: finished requests' pages are back
+    num_swap_outs: int = 0  # preemptions this step that kept their pages in the tier below memory
+    num_swap_ins: int = 0  # requests whose pages came back from it this step

@@ -4,6 +4,8 @@ For scheduler tests and quick policy studies (not a substitute for real runs). N
 
 Step time = ``base_s + per_token_s * batched tokens + per_context_s * sum(context of decodes)
 + hidden_context_s * sum(context of hidden decodes)`` — the shape the calibrated cost model has.
+Swaps to and from the tier below memory (``swap_space``) move no bytes but take their transfer time
+(``swap_out_s_per_page`` / ``swap_in_s_per_page``, per page over all layers) on the same clock.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from apt_serve_ray.cache.layout import CacheLayout
+from apt_serve_ray.cache.swap import TransferCost
 from apt_serve_ray.config import EngineConfig
 from apt_serve_ray.engine import LLMEngine
 from apt_serve_ray.request import CacheKind, Request
@@ -28,6 +31,11 @@ class CostModel:
     per_token_s: float = 0.0002
     per_context_s: float = 0.000002
     hidden_context_s: float = 0.00002
+    # A page to the tier below memory and back: OPT-125m pages (576 KiB in bf16) took 0.04-0.1 ms each
+    # way through a memory-mapped file on a 2-core EPYC (benchmarks/swap_cost.py); 16 tokens of recompute
+    # cost 16 * per_token_s = 3.2 ms here.
+    swap_out_s_per_page: float = 0.0001
+    swap_in_s_per_page: float = 0.0001
 
     def predict(self, num_tokens: int, sum_context: int, sum_hidden_context: int = 0) -> float:
         """The same shape as ``calibration.StepTimeModel.predict`` (context: decodes and chunks alike)."""
@@ -78,10 +86,23 @@ class CostModelRunner:
         self.layout, self.num_pages, self.max_model_len = layout, num_pages, max_model_len
         self.cost, self.clock = cost, clock
         self.last_output: SchedulerOutput | None = None
+        self.num_pages_swapped_out = self.num_pages_swapped_in = 0
+        self.swap_s = 0.0  # simulated seconds spent on transfers
+
+    @property
+    def transfer_cost(self) -> TransferCost:
+        """What the engine's swap space prices transfers with (a real runner measures it)."""
+        return TransferCost(self.cost.swap_out_s_per_page, self.cost.swap_in_s_per_page, self.layout.bytes_per_page)
 
     def execute(self, out: SchedulerOutput) -> list[tuple[Request, SampledToken]]:
         self.last_output = out
-        self.clock.advance(self.cost.step_time(out.chunks) if out.chunks else IDLE_STEP_S)
+        num_out = sum(len(plan.pages) for plan in out.swap_out)
+        num_in = sum(len(plan.pages) for plan in out.swap_in)
+        swap_s = num_out * self.cost.swap_out_s_per_page + num_in * self.cost.swap_in_s_per_page
+        self.num_pages_swapped_out += num_out
+        self.num_pages_swapped_in += num_in
+        self.swap_s += swap_s
+        self.clock.advance(swap_s + (self.cost.step_time(out.chunks) if out.chunks else IDLE_STEP_S))
         return [(c.request, SampledToken(OUTPUT_TOKEN_ID)) for c in out.chunks if c.completes]
 
     def forget(self, request_id: str) -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from apt_serve_ray.cache.layout import CacheLayout
 from apt_serve_ray.cache.page_pool import PagePool
+from apt_serve_ray.cache.swap import SwapSpace
 from apt_serve_ray.request import CacheKind, Request
 
 
@@ -25,14 +26,30 @@ class UpgradePlan:
     from_kind: CacheKind = CacheKind.HIDDEN
 
 
+@dataclass(frozen=True)
+class SwapPlan:
+    """Copy a request's pages to or from the tier below memory: ``pages[i]`` <-> ``slots[i]``, every
+    layer, raw bytes of ``kind``. The runner runs swap-outs before swap-ins, and both before the
+    upgrades and the forward pass (pages a swap-out frees may be given out in the same step)."""
+
+    request_id: str
+    pages: list[int]
+    slots: list[int]
+    kind: CacheKind
+
+
 class CacheManager:
-    def __init__(self, pool: PagePool, layout: CacheLayout) -> None:
+    def __init__(self, pool: PagePool, layout: CacheLayout, swap: SwapSpace | None = None) -> None:
         self.pool = pool
         self.layout = layout
+        self.swap = swap  # the tier below memory; None: preempted requests are recomputed
         # Hidden pages of upgraded requests stay owned until the runner has read them this step:
         # otherwise another upgrade in the same step could receive them as KV pages and overwrite
         # them before they are read.
         self._deferred: list[tuple[list[int], str]] = []
+        # Slots of requests swapped in this step, likewise: a swap-out in the same step runs first and
+        # must not receive them and overwrite them before the swap-in reads them.
+        self._deferred_slots: list[tuple[list[int], str]] = []
 
     def num_new_pages(self, request: Request, num_total_tokens: int, kind: CacheKind | None = None) -> int:
         kind = kind or request.kind or CacheKind.KV
@@ -57,10 +74,66 @@ class CacheManager:
         return True
 
     def free(self, request: Request) -> None:
+        """Return its pages and its swap slots (whichever it holds)."""
         if request.page_ids:
             self.pool.free(request.page_ids, request.request_id)
+        if request.swap_slots:
+            self.swap.free(request.swap_slots, request.request_id)
         request.page_ids = []
+        request.swap_slots = []
         request.kind = None
+
+    # The tier below memory ------------------------------------------------------------------------
+    def num_swap_pages(self, request: Request) -> int:
+        """Pages that hold its computed tokens (what a swap-out moves)."""
+        return self.layout.num_pages_for(request.num_computed_tokens, request.kind) if request.kind else 0
+
+    def can_swap_out(self, request: Request) -> bool:
+        num = self.num_swap_pages(request)
+        return self.swap is not None and num > 0 and self.swap.can_allocate(num)
+
+    def swap_out(self, request: Request) -> SwapPlan | None:
+        """Move the pages holding ``request``'s computed tokens to slots and free all its pages; it keeps
+        ``num_computed_tokens`` and its kind. None (nothing changed) if the tier has too few free slots."""
+        num = self.num_swap_pages(request)
+        slots = self.swap.allocate(num, request.request_id) if self.swap is not None and num else None
+        if slots is None:
+            return None
+        plan = SwapPlan(request.request_id, request.page_ids[:num], slots, request.kind)
+        self.pool.free(request.page_ids, request.request_id)  # pages beyond num: grown this step, empty
+        request.page_ids = []
+        request.swap_slots = slots
+        request.num_swaps += 1
+        return plan
+
+    def swap_in(self, request: Request, num_total_tokens: int) -> SwapPlan | None:
+        """Pages of its kind for ``num_total_tokens`` tokens; the first ones receive its slots. The slots
+        are released after the step (``release_deferred``). None (nothing changed) without the pages."""
+        num = max(self.layout.num_pages_for(num_total_tokens, request.kind), len(request.swap_slots))
+        pages = self.pool.allocate(num, request.kind, request.request_id)
+        if pages is None:
+            return None
+        plan = SwapPlan(request.request_id, pages[: len(request.swap_slots)], request.swap_slots, request.kind)
+        self._deferred_slots.append((plan.slots, request.request_id))
+        request.page_ids = pages
+        request.swap_slots = []
+        return plan
+
+    def undo_swap_in(self, request: Request, plan: SwapPlan) -> None:
+        """Preempted in the step that swapped it in: its bytes are still in the slots (released only
+        after the step), so it goes back to them and no copy runs either way."""
+        self._deferred_slots.remove((plan.slots, request.request_id))
+        self.pool.free(request.page_ids, request.request_id)
+        request.page_ids = []
+        request.swap_slots = plan.slots
+
+    def drop_swapped(self, request: Request) -> None:
+        """Its slots cannot be trusted (the step that filled them failed): recompute it instead."""
+        if request.swap_slots:
+            self.swap.free(request.swap_slots, request.request_id)
+            request.swap_slots = []
+            request.kind = None
+            request.num_computed_tokens = 0
 
     def upgrade(self, request: Request, num_total_tokens: int) -> UpgradePlan | None:
         """Switch a request in a compressed kind to KV pages big enough for ``num_total_tokens``; the
@@ -83,6 +156,32 @@ class CacheManager:
         for pages, owner in self._deferred:
             self.pool.free(pages, owner)
         self._deferred.clear()
+        for slots, owner in self._deferred_slots:
+            self.swap.free(slots, owner)
+        self._deferred_slots.clear()
+
+    def check_integrity(self, requests) -> None:
+        """Both tiers, between steps: each allocator's own invariants, every page and slot of ``requests``
+        owned by it, a request in pages or in slots but not both, and nothing owned by anyone else."""
+        self.pool.check_integrity()
+        num_pages = num_slots = 0
+        for r in requests:
+            if r.page_ids and r.swap_slots:
+                raise AssertionError(f"request {r.request_id} holds both pages and swap slots")
+            for page in r.page_ids:
+                if self.pool.owner(page) != r.request_id:
+                    raise AssertionError(f"page {page} of {r.request_id} is owned by {self.pool.owner(page)!r}")
+            for slot in r.swap_slots:
+                if self.swap is None or self.swap.owner(slot) != r.request_id:
+                    raise AssertionError(f"swap slot {slot} of {r.request_id} is not owned by it")
+            num_pages += len(r.page_ids)
+            num_slots += len(r.swap_slots)
+        if num_pages != self.pool.num_used_pages:
+            raise AssertionError(f"{self.pool.num_used_pages - num_pages} pages used by no request (leaked)")
+        if self.swap is not None:
+            self.swap.check_integrity()
+            if num_slots != self.swap.num_used_slots:
+                raise AssertionError(f"{self.swap.num_used_slots - num_slots} swap slots used by no request (leaked)")
 
     def num_cached_tokens(self, requests) -> dict[str, int]:
         tokens = dict.fromkeys((k.value for k in CacheKind), 0)

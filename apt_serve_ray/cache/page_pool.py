@@ -33,6 +33,9 @@ class PagePool:
     def num_used(self, kind: CacheKind) -> int:
         return self._num_used[kind]
 
+    def owner(self, page: int) -> str | None:
+        return self._owner[page]
+
     def usage(self) -> float:
         return self.num_used_pages / self.num_pages
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from apt_serve_ray.cache.cache_manager import UpgradePlan
+from apt_serve_ray.cache.cache_manager import SwapPlan, UpgradePlan
 from apt_serve_ray.request import Request
 
 
@@ -26,6 +26,12 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     schedule_time_s: float = 0.0
     preempt_causes: list[str] = field(default_factory=list)  # parallel to ``preempted``
+    # The tier below memory, run first (outs, then ins): pages of preempted requests to slots, and
+    # slots of resumed ones to their new pages. ``preempt_swapped``: parallel to ``preempted``, True
+    # where the request kept its computed tokens in slots, False where it will be recomputed.
+    swap_out: list[SwapPlan] = field(default_factory=list)
+    swap_in: list[SwapPlan] = field(default_factory=list)
+    preempt_swapped: list[bool] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -33,4 +39,6 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.chunks and not self.upgrades
+        """Nothing to run. A step that only swaps out still runs: the freed pages' bytes must reach
+        the slots before any later step writes them."""
+        return not self.chunks and not self.upgrades and not self.swap_out and not self.swap_in

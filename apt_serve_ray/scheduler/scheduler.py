@@ -35,13 +35,14 @@ class Scheduler:
         self.admission_open = True  # set by the operator / cluster controller
         self.pressure_admit = True  # set by the in-engine heavy watermark
         self.num_preemptions = 0
+        self.num_swap_outs = 0  # preemptions that kept the pages in the tier below memory
 
     # Queue upkeep ---------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
-        """Remove a request from the queues and return its pages. Idempotent."""
+        """Remove a request from the queues and return its pages and swap slots. Idempotent."""
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
@@ -79,6 +80,23 @@ class Scheduler:
         """The ceiling ``cache_ratio`` sets: pages of the pool that compressed kinds may hold."""
         return int(self.cache_ratio * self.cache.pool.num_pages)
 
+    def should_swap(self, request: Request) -> bool:
+        """Preempt ``request`` into the tier below memory rather than recompute it: the tier has slots
+        for its pages and their round trip (out now, in on resume, at the measured seconds per page)
+        costs less than recomputing its computed tokens by the policy's step-time model. Without a
+        step-time model or a measured transfer cost: whenever there is room."""
+        cache = self.cache
+        if not cache.can_swap_out(request):
+            return False
+        costs = getattr(self.policy, "costs", None)
+        step = costs.step_time if costs is not None else None
+        transfer = cache.swap.transfer
+        if step is None or transfer is None:
+            return True
+        n = request.num_computed_tokens
+        recompute_s = step.predict(n, n) - step.predict(0, 0)  # one prefill chunk of n tokens, as priced
+        return transfer.seconds(cache.num_swap_pages(request)) < recompute_s
+
     def set_cache_ratio(self, ratio: float) -> None:
         """``ratio``: already checked by whoever took it in (``config.check_share``)."""
         self.cache_ratio = ratio if self.compressed_kinds else 0.0
@@ -114,6 +132,9 @@ class SchedulingContext:
         self._upgrades = []
         self._preempted: list[Request] = []
         self._causes: list[str] = []
+        self._swapped: list[bool] = []  # parallel to _preempted
+        self._swap_outs = []
+        self._swap_ins = {}  # request id -> its SwapPlan, this step
 
     # Read-only views
     @property
@@ -157,6 +178,17 @@ class SchedulingContext:
         return self._s.cache.pool.num_free_pages
 
     @property
+    def num_free_swap_slots(self) -> int:
+        """Free slots in the tier below memory (0 without one)."""
+        swap = self._s.cache.swap
+        return swap.num_free_slots if swap is not None else 0
+
+    def would_swap(self, request: Request) -> bool:
+        """Whether preempting the running ``request`` now would keep its pages in the tier (else it
+        would be recomputed): the tier has room and the transfer is cheaper (``Scheduler.should_swap``)."""
+        return self._s.should_swap(request)
+
+    @property
     def num_seqs_left(self) -> int:
         return self.config.max_num_seqs - len(self._chunks)
 
@@ -186,7 +218,9 @@ class SchedulingContext:
     # Mutations
     def schedule(self, request: Request, num_tokens: int, kind: CacheKind | None = None) -> bool:
         """Run ``num_tokens`` more of ``request`` this step. False (nothing changed) if the token
-        budget, the sequence limit or the free pages do not allow it."""
+        budget, the sequence limit or the free pages do not allow it. A swapped request comes back
+        from the tier (pages of its kind, the copy planned); asked for another kind, its copy there is
+        dropped and it is recomputed in that kind (that stays so even when False is returned)."""
         # Called for every request of every batch: plain attribute reads, no property chains.
         chunks, request_id = self._chunks, request.request_id
         if request_id in chunks:
@@ -196,13 +230,23 @@ class SchedulingContext:
             raise ValueError(f"num_tokens: {num_tokens} not in [1, {request.num_tokens_to_compute}]")
         if num_tokens > self.token_budget or len(chunks) >= self.config.max_num_seqs:
             return False
+        cache = self._s.cache
+        if request.swap_slots and kind is not None and kind is not request.kind:
+            # Asked for another kind than its pages in the tier hold: that copy is of no use.
+            cache.drop_swapped(request)
+            num_computed = 0
         if request.kind is None:
             kind = kind or self.default_kind()
             if kind is not CacheKind.KV and kind not in self._s.compressed_kinds:
                 raise ValueError(f"kind: the {kind.value} cache kind is disabled for this model")
         elif kind is not None and kind is not request.kind:
             raise ValueError(f"kind: request {request_id} already holds {request.kind.value} pages")
-        if not self._s.cache.allocate(request, num_computed + num_tokens, kind):
+        if request.swap_slots:  # back from the tier: pages of its kind, the copy runs before the step
+            plan = cache.swap_in(request, num_computed + num_tokens)
+            if plan is None:
+                return False
+            self._swap_ins[request_id] = plan
+        elif not cache.allocate(request, num_computed + num_tokens, kind):
             return False
         if request.status is RequestStatus.WAITING:
             self._admitted.add(id(request))
@@ -216,14 +260,15 @@ class SchedulingContext:
 
     def preempt(self, request: Request, cause: str = "memory") -> None:
         """Free all pages of a running request and requeue it at the front; its generated tokens are
-        kept and recomputed on resume. ``cause``: "memory" (it or another running request could not
-        grow) or "policy" (displaced so that a more valuable waiting request gets its pages)."""
+        kept. Its computed tokens move to the tier below memory where it has room and that is cheaper
+        than recomputing them (``would_swap``), and are recomputed on resume otherwise. ``cause``:
+        "memory" (it or another running request could not grow) or "policy" (displaced so that a more
+        valuable waiting request gets its pages)."""
         chunk = self._chunks.pop(request.request_id, None)
         if chunk is not None:
             self.token_budget += chunk.num_tokens
         self._s.running.remove(request)
-        self.cache.free(request)
-        request.num_computed_tokens = 0
+        swapped = self._swap_out_or_free(request)
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self._s.num_preemptions += 1
@@ -231,6 +276,28 @@ class SchedulingContext:
         self._readmitted = self._readmitted or id(request) in self._admitted
         self._preempted.append(request)
         self._causes.append(cause)
+        self._swapped.append(swapped)
+
+    def _swap_out_or_free(self, request: Request) -> bool:
+        """Free ``request``'s pages, keeping its computed tokens in slots where that pays. True if kept."""
+        cache, request_id = self._s.cache, request.request_id
+        plan = self._swap_ins.pop(request_id, None)
+        if plan is not None:  # swapped in this step, nothing copied yet: back to its slots, no copy
+            cache.undo_swap_in(request, plan)
+            self._s.num_swap_outs += 1
+            return True
+        upgraded = [p for p in self._upgrades if p.request_id == request_id]
+        if upgraded:  # its new KV pages are filled only when the step runs: nothing to swap, no upgrade
+            self._upgrades.remove(upgraded[0])
+        elif self._s.should_swap(request):
+            plan = cache.swap_out(request)
+            if plan is not None:
+                self._swap_outs.append(plan)
+                self._s.num_swap_outs += 1
+                return True
+        cache.free(request)
+        request.num_computed_tokens = 0
+        return False
 
     def upgrade(self, request: Request) -> bool:
         """Hidden -> KV in place for a running request (before it is scheduled this step)."""
@@ -259,4 +326,5 @@ class SchedulingContext:
 
     def output(self) -> SchedulerOutput:
         return SchedulerOutput(list(self._chunks.values()), list(self._upgrades), list(self._preempted),
-                               preempt_causes=list(self._causes))
+                               preempt_causes=list(self._causes), swap_out=list(self._swap_outs),
+                               swap_in=list(self._swap_ins.values()), preempt_swapped=list(self._swapped))

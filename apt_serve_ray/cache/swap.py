@@ -1,0 +1,237 @@
+"""A tier below memory: slots for the pages of preempted requests, which come back instead of being
+recomputed (vLLM's ``swap_space``).
+
+A slot holds one page over all layers (``layout.bytes_per_page``), as raw bytes, so every cache
+kind (KV, hidden, the int8 kinds with their scales) round-trips byte for byte::
+
+    slots  [num_slots][num_layers][page_bytes] uint8      slot s, layer l  <-  storage.bytes[l][page]
+
+The backing is pinned host memory when the cache lives on a GPU, and a memory-mapped file in
+``swap_dir`` (default: the temp dir) when it lives on the CPU: the file is sparse (a large tier costs
+nothing until slots are written) and unlinked as soon as it is mapped, so nothing is left behind,
+whatever way the process ends. An unbacked tier (``device=None``) keeps only the bookkeeping: the
+simulator prices transfers without moving bytes.
+
+Like the page pool, the slot allocator knows no policy: it says "no" (``None``) when full, records
+owners, and ``check_integrity()`` holds free + used == total. Whether to swap is the scheduler's call.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from apt_serve_ray.cache.layout import CacheLayout
+
+logger = logging.getLogger("apt_serve_ray")
+
+GIB = 1 << 30
+_STAGE_PAGES = 64  # pages per staged copy: bounds the temporary buffer of one transfer
+
+
+@dataclass(frozen=True)
+class TransferCost:
+    """Seconds to move one page (all layers) to the tier and back (``measure_bandwidth``)."""
+
+    out_s_per_page: float
+    in_s_per_page: float
+    bytes_per_page: int = 0
+
+    def seconds(self, num_pages: int) -> float:
+        """A round trip of ``num_pages`` pages: out now, in when the request resumes."""
+        return num_pages * (self.out_s_per_page + self.in_s_per_page)
+
+    def gb_per_s(self) -> tuple[float, float]:
+        """(out, in) in GB/s (1e9 bytes), for logs and reports."""
+        return tuple(self.bytes_per_page / s / 1e9 if s > 0 else float("inf")
+                     for s in (self.out_s_per_page, self.in_s_per_page))
+
+
+def num_slots_for(swap_space_gib: float, layout: CacheLayout) -> int:
+    """Slots of ``swap_space_gib`` GiB: whole pages of ``layout.bytes_per_page`` bytes."""
+    return int(swap_space_gib * GIB // layout.bytes_per_page)
+
+
+def make_swap_space(swap_space_gib: float, swap_dir: str | None, layout: CacheLayout, runner) -> SwapSpace | None:
+    """The engine's tier (None at 0 GiB) beside ``runner``'s cache tensors (``runner.storage``), on
+    their device, its transfer cost measured. A runner without cache tensors (the simulator) gets the
+    bookkeeping alone, priced with its own ``transfer_cost``."""
+    if not swap_space_gib:
+        return None
+    num_slots = num_slots_for(swap_space_gib, layout)
+    if num_slots < 1:
+        raise ValueError(f"swap_space: {swap_space_gib} GiB holds no page of {layout.bytes_per_page} bytes")
+    storage = getattr(runner, "storage", None)
+    if storage is None:
+        swap = SwapSpace(layout, num_slots)
+        swap.transfer = getattr(runner, "transfer_cost", None)
+        return swap
+    swap = SwapSpace(layout, num_slots, device=storage.layers[0].device, swap_dir=swap_dir)
+    swap.measure_bandwidth(storage)
+    return swap
+
+
+class SwapSpace:
+    def __init__(self, layout: CacheLayout, num_slots: int, *, device: torch.device | str | None = None,
+                 swap_dir: str | None = None) -> None:
+        if num_slots < 1:
+            raise ValueError(f"swap_space: holds no page of {layout.bytes_per_page} bytes (num_slots {num_slots})")
+        self.layout = layout
+        self.num_slots = num_slots
+        self.device = torch.device(device) if device is not None else None
+        self.transfer: TransferCost | None = None  # measured (``measure_bandwidth``) or given (simulator)
+        self._free: deque[int] = deque(range(num_slots))
+        self._owner: list[str | None] = [None] * num_slots
+        self._data: torch.Tensor | None = None
+        self._mmap: np.memmap | None = None
+        if self.device is not None:
+            self._data = self._allocate(swap_dir)
+
+    def _allocate(self, swap_dir: str | None) -> torch.Tensor:
+        shape = (self.num_slots, self.layout.num_layers, self.layout.page_bytes)
+        if self.device.type == "cuda":
+            return torch.empty(shape, dtype=torch.uint8, pin_memory=True)
+        if swap_dir is not None and not os.path.isdir(swap_dir):
+            raise ValueError(f"swap_dir: {swap_dir!r} is not a directory")
+        fd, path = tempfile.mkstemp(prefix="apt-serve-swap-", dir=swap_dir)
+        try:
+            os.ftruncate(fd, self.num_slots * self.layout.bytes_per_page)  # sparse: no block written yet
+            self._mmap = np.memmap(path, dtype=np.uint8, mode="r+", shape=shape)
+        finally:
+            os.close(fd)
+            os.unlink(path)  # the mapping keeps the file alive; its blocks go when it is unmapped
+        return torch.from_numpy(self._mmap)
+
+    @property
+    def is_backed(self) -> bool:
+        return self._data is not None
+
+    # Slots --------------------------------------------------------------------------------------
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_slots(self) -> int:
+        return self.num_slots - len(self._free)
+
+    def can_allocate(self, num: int) -> bool:
+        return num <= len(self._free)
+
+    def allocate(self, num: int, owner: str) -> list[int] | None:
+        if num < 0:
+            raise ValueError(f"num: must be >= 0, got {num}")
+        if num > len(self._free):
+            return None
+        slots = [self._free.popleft() for _ in range(num)]
+        for slot in slots:
+            self._owner[slot] = owner
+        return slots
+
+    def free(self, slots: list[int], owner: str) -> None:
+        for slot in slots:
+            if self._owner[slot] != owner:
+                raise RuntimeError(f"swap slot {slot} is owned by {self._owner[slot]!r}, not {owner!r}")
+            self._owner[slot] = None
+            self._free.append(slot)
+
+    def owner(self, slot: int) -> str | None:
+        return self._owner[slot]
+
+    def check_integrity(self) -> None:
+        """free + used == total, no slot free twice, no free slot owned."""
+        free = set(self._free)
+        if len(free) != len(self._free):
+            raise AssertionError("a swap slot is on the free list twice")
+        owned = {s for s in range(self.num_slots) if self._owner[s] is not None}
+        if free & owned:
+            raise AssertionError("a swap slot is both free and owned")
+        if len(free) + len(owned) != self.num_slots:
+            raise AssertionError(f"swap slots: free {len(free)} + used {len(owned)} != total {self.num_slots}")
+
+    # Bytes --------------------------------------------------------------------------------------
+    # Page by page: a contiguous copy per page and layer runs at memcpy speed (~10 GB/s on a CPU), where
+    # index_select / index_copy_ over uint8 rows ran ten times slower. On a GPU the gather stays on the
+    # device and one transfer per batch crosses the bus.
+    def copy_out(self, storage, pages: list[int], slots: list[int]) -> None:
+        """Pages of ``storage`` (a ``CacheStorage``) -> slots, every layer, byte for byte."""
+        data, src = self._backing(), storage.bytes
+        if src[0].device.type == "cpu":
+            for page, slot in zip(pages, slots):
+                row = data[slot]
+                for layer, page_bytes in enumerate(src):
+                    row[layer].copy_(page_bytes[page])
+            return
+        for i in range(0, len(pages), _STAGE_PAGES):
+            p = torch.tensor(pages[i : i + _STAGE_PAGES], device=src[0].device)
+            staged = torch.stack([page_bytes.index_select(0, p) for page_bytes in src], dim=1).cpu()
+            for j, slot in enumerate(slots[i : i + _STAGE_PAGES]):
+                data[slot].copy_(staged[j])
+
+    def copy_in(self, storage, slots: list[int], pages: list[int]) -> None:
+        """Slots -> pages of ``storage``, every layer, byte for byte."""
+        data, dst = self._backing(), storage.bytes
+        if dst[0].device.type == "cpu":
+            for slot, page in zip(slots, pages):
+                row = data[slot]
+                for layer, page_bytes in enumerate(dst):
+                    page_bytes[page].copy_(row[layer])
+            return
+        for i in range(0, len(pages), _STAGE_PAGES):
+            chunk = slots[i : i + _STAGE_PAGES]
+            staged = torch.empty((len(chunk), *data.shape[1:]), dtype=torch.uint8, pin_memory=True)
+            for j, slot in enumerate(chunk):
+                staged[j].copy_(data[slot])
+            staged = staged.to(dst[0].device, non_blocking=True)
+            p = torch.tensor(pages[i : i + _STAGE_PAGES], device=dst[0].device)
+            for layer, page_bytes in enumerate(dst):
+                page_bytes.index_copy_(0, p, staged[:, layer])
+
+    def _backing(self) -> torch.Tensor:
+        if self._data is None:
+            raise RuntimeError("this swap space has no backing memory (closed, or bookkeeping only)")
+        return self._data
+
+    def measure_bandwidth(self, storage, num_pages: int = 8, repeats: int = 3) -> TransferCost:
+        """Time copying ``num_pages`` pages out and back in (the fastest of ``repeats``; interference only
+        adds time), as calibration times rho; sets and returns ``transfer``. Uses free slots and the
+        first pages of ``storage``, which it leaves byte for byte as they were: call it at start."""
+        n = min(num_pages, self.num_free_slots, storage.num_pages)
+        if n < 1:
+            raise ValueError("num_pages: no free slot or page to time a transfer with")
+        slots = self.allocate(n, "__bandwidth__")
+        pages = list(range(n))
+        sync = torch.cuda.synchronize if storage.bytes[0].device.type == "cuda" else (lambda: None)
+        best_out = best_in = float("inf")
+        try:
+            for _ in range(repeats + 1):  # the first pass also touches the file's blocks: a warm-up
+                sync()
+                t0 = time.perf_counter()
+                self.copy_out(storage, pages, slots)
+                sync()
+                t1 = time.perf_counter()
+                self.copy_in(storage, slots, pages)
+                sync()
+                t2 = time.perf_counter()
+                best_out, best_in = min(best_out, t1 - t0), min(best_in, t2 - t1)
+        finally:
+            self.free(slots, "__bandwidth__")
+        self.transfer = TransferCost(best_out / n, best_in / n, self.layout.bytes_per_page)
+        return self.transfer
+
+    def describe(self) -> str:
+        where = ("pinned host memory" if self.device is not None and self.device.type == "cuda"
+                 else "a memory-mapped file" if self._data is not None else "bookkeeping only")
+        return f"{self.num_slots} slots of {self.layout.bytes_per_page} B ({self.num_slots * self.layout.bytes_per_page / GIB:.2f} GiB) in {where}"
+
+    def close(self) -> None:
+        """Drop the backing memory: once unreferenced it is unmapped, and the unlinked file's blocks go."""
+        self._data = None
+        self._mmap = None

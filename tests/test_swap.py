@@ -1,0 +1,274 @@
+"""The tier below memory (``swap_space``): preempted requests' pages go to slots and come back instead
+of being recomputed; byte-exact for every kind, same outputs, fewer recomputed tokens, nothing lost
+when the tier is full, nothing leaked under aborts."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from apt_serve_ray import LLM, EngineConfig, SamplingParams
+from apt_serve_ray.bench.simulator import MHA_LAYOUT, CostModel, SimulatedEngine
+from apt_serve_ray.cache.layout import CacheLayout
+from apt_serve_ray.cache.quant import quantize
+from apt_serve_ray.cache.storage import CacheStorage
+from apt_serve_ray.cache.swap import GIB, SwapSpace
+from apt_serve_ray.request import CacheKind
+from apt_serve_ray.scheduler.costs import StepCosts
+from apt_serve_ray.scheduler.scheduler import SchedulingContext
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+TINY = CacheLayout(num_layers=2, num_kv_heads=4, head_dim=16, hidden_size=64, block_size=16, dtype_bytes=4)
+
+
+def _gib(num_slots: int, layout: CacheLayout) -> float:
+    return num_slots * layout.bytes_per_page / GIB
+
+
+def _prompts(n, seed, lo=40, hi=90):
+    rng = random.Random(seed)
+    return [[rng.randrange(10, 49000) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+def _fill(storage: CacheStorage, kind: CacheKind, pages: list[int], gen: torch.Generator) -> None:
+    """Write random content of ``kind`` into ``pages`` through that kind's own views."""
+    lay = storage.layout
+    p = torch.tensor(pages)
+    for layer in range(lay.num_layers):
+        if kind is CacheKind.KV:
+            view = storage.kv[layer]
+            view[p] = torch.randn((len(pages), *view.shape[1:]), generator=gen).to(storage.dtype)
+        elif kind is CacheKind.HIDDEN:
+            view = storage.hidden[layer]
+            view[p] = torch.randn((len(pages), *view.shape[1:]), generator=gen).to(storage.dtype)
+        else:
+            data = (storage.kv_int8 if kind is CacheKind.KV_INT8 else storage.hidden_int8)[layer]
+            scale = (storage.kv_int8_scale if kind is CacheKind.KV_INT8 else storage.hidden_int8_scale)[layer]
+            x = torch.randn((len(pages), *data.shape[1:]), generator=gen)
+            group = lay.head_dim if kind is CacheKind.KV_INT8 else lay.quant_group
+            q, s = quantize(x, group)
+            data[p], scale[p] = q, s.view(len(pages), *scale.shape[1:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", list(CacheKind))
+def test_pages_of_every_kind_round_trip_byte_exact(tmp_path, kind, dtype):
+    layout = CacheLayout(2, 4, 16, 64, 16, torch.finfo(dtype).bits // 8)
+    storage = CacheStorage(layout, 12, "cpu", dtype)
+    swap = SwapSpace(layout, 6, device="cpu", swap_dir=str(tmp_path))
+    assert os.listdir(tmp_path) == []  # the file is unlinked once mapped: nothing is left behind
+    gen = torch.Generator().manual_seed(0)
+    _fill(storage, kind, [1, 4, 7], gen)
+    before = [b[[1, 4, 7]].clone() for b in storage.bytes]
+    slots = swap.allocate(3, "r")
+    swap.copy_out(storage, [1, 4, 7], slots)
+    _fill(storage, kind, [1, 4, 7], gen)  # the pages are reused meanwhile
+    swap.copy_in(storage, slots, [9, 2, 11])  # and the request comes back to other pages
+    for layer in range(layout.num_layers):
+        assert torch.equal(storage.bytes[layer][[9, 2, 11]], before[layer])
+    swap.free(slots, "r")
+    swap.check_integrity()
+
+
+def test_slots_have_owners_and_the_tier_says_no_when_full():
+    swap = SwapSpace(TINY, 3)  # bookkeeping only
+    a = swap.allocate(2, "a")
+    assert swap.allocate(2, "b") is None and swap.num_free_slots == 1
+    with pytest.raises(RuntimeError, match="owned by 'a'"):
+        swap.free(a, "b")
+    swap.free(a, "a")
+    swap.check_integrity()
+    assert swap.num_used_slots == 0
+    with pytest.raises(RuntimeError, match="no backing"):
+        swap.copy_out(CacheStorage(TINY, 2, "cpu", torch.float32), [0], [0])
+
+
+def test_bandwidth_is_measured_and_leaves_the_pages_as_they_were():
+    storage = CacheStorage(TINY, 10, "cpu", torch.float32)
+    _fill(storage, CacheKind.KV, list(range(10)), torch.Generator().manual_seed(1))
+    before = [b.clone() for b in storage.bytes]
+    swap = SwapSpace(TINY, 16, device="cpu")
+    cost = swap.measure_bandwidth(storage)
+    assert swap.transfer is cost and 0 < cost.out_s_per_page < 1 and 0 < cost.in_s_per_page < 1
+    assert all(torch.equal(a, b) for a, b in zip(before, storage.bytes))
+    assert swap.num_used_slots == 0
+
+
+def test_swap_space_validation_names_the_field(opt_tiny):
+    for bad in (-1, True, "2", float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="swap_space"):
+            EngineConfig(swap_space=bad)
+    with pytest.raises(ValueError, match="swap_dir"):
+        EngineConfig(swap_dir="")
+    with pytest.raises(ValueError, match="swap_space"):  # less than one page
+        SimulatedEngine(EngineConfig(swap_space=1e-9))
+    with pytest.raises(ValueError, match="swap_dir"):
+        LLM(opt_tiny, dtype="float32", num_pages=16, swap_space=0.001, swap_dir="/nonexistent/apt-swap")
+
+
+def _run_engine(path, prompts, **kw):
+    """Step an engine on ``prompts`` with every integrity check; outputs, tokens computed, stats."""
+    llm = LLM(path, dtype="float32", num_pages=24, max_num_batched_tokens=256, calibrate_rho=False, **kw)
+    engine = llm.llm_engine
+    ids = [engine.add_request(p, GREEDY).request_id for p in prompts]
+    results, computed, swaps = {}, 0, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = out.outputs[0].token_ids
+        if engine.last_step is not None:
+            computed += engine.last_step.num_tokens
+            swaps += engine.last_step.num_swap_outs
+        engine.check_integrity()
+    stats = llm.cache_stats()
+    assert stats.num_swap_outs == swaps and stats.num_used_swap_slots == 0
+    assert stats.num_free_pages == stats.num_pages
+    return [results[i] for i in ids], computed, stats
+
+
+@pytest.mark.parametrize("policy,cache_ratio", [("sarathi", 0.0), ("sarathi", 0.5), ("apt", 0.0)])
+def test_greedy_outputs_same_with_swap_and_fewer_tokens_recomputed(opt_tiny, policy, cache_ratio):
+    # 8 requests of up to 130 tokens need ~60 pages; 24 force preemptions. With cache_ratio 0.5 part of
+    # the swapped pages are hidden ones.
+    prompts = _prompts(8, seed=2)
+    ref, ref_computed, ref_stats = _run_engine(opt_tiny, prompts, policy=policy, cache_ratio=cache_ratio,
+                                               swap_space=0)
+    out, computed, stats = _run_engine(opt_tiny, prompts, policy=policy, cache_ratio=cache_ratio, swap_space=0.01)
+    assert ref_stats.num_preemptions > 0 and ref_stats.num_swap_outs == 0
+    assert stats.num_swap_slots == int(0.01 * GIB // stats.bytes_per_page) and stats.num_swap_outs > 0
+    assert out == ref
+    assert computed < ref_computed
+
+
+def test_full_tier_falls_back_to_recompute_with_same_outputs(opt_tiny):
+    prompts = _prompts(8, seed=2)
+    ref, _, _ = _run_engine(opt_tiny, prompts)
+    bytes_per_page = LLM(opt_tiny, dtype="float32", num_pages=4).cache_stats().bytes_per_page
+    out, _, stats = _run_engine(opt_tiny, prompts, swap_space=6 * bytes_per_page / GIB)  # 6 slots
+    assert stats.num_swap_slots == 6
+    assert 0 < stats.num_swap_outs < stats.num_preemptions  # some swapped, the rest recomputed
+    assert out == ref
+
+
+def _sim(policy="sarathi", num_slots=200, num_pages=30, cost=CostModel(), **cfg) -> SimulatedEngine:
+    config = EngineConfig(policy=policy, swap_space=_gib(num_slots, MHA_LAYOUT), max_num_batched_tokens=256,
+                          calibrate_rho=False, **cfg)
+    return SimulatedEngine(config, num_pages=num_pages, cost=cost)
+
+
+def _swapped_waiting(sim: SimulatedEngine):
+    for _ in range(12):
+        sim.add(60, 40)
+    while not any(r.is_swapped for r in sim.scheduler.waiting):
+        sim.step()
+    return next(r for r in sim.scheduler.waiting if r.is_swapped)
+
+
+def test_abort_of_a_swapped_request_frees_its_slots():
+    sim = _sim()
+    swapped = _swapped_waiting(sim)
+    swap, slots = sim.llm_engine.swap, list(swapped.swap_slots)
+    used = swap.num_used_slots
+    sim.llm_engine.abort_request(swapped.request_id)
+    assert swapped.swap_slots == [] and swap.num_used_slots == used - len(slots)
+    assert all(swap.owner(s) is None for s in slots)
+    sim.llm_engine.check_integrity()
+    sim.run_until_idle()
+    assert sim.llm_engine.swap.num_used_slots == 0
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "sarathi", "priority", "apt"])
+def test_integrity_of_both_tiers_under_preemption_and_aborts(policy):
+    sim = _sim(policy, num_slots=12, num_pages=24)
+    engine, rng, ids = sim.llm_engine, random.Random(7), []
+    for step in range(400):
+        if step < 150 and rng.random() < 0.4:
+            ids.append(sim.add(rng.randrange(10, 120), rng.randrange(1, 200), priority=rng.randrange(3)).request_id)
+        if ids and rng.random() < 0.1:
+            engine.abort_request(ids[rng.randrange(len(ids))])
+        sim.step()
+        engine.check_integrity()
+    sim.run_until_idle()
+    engine.check_integrity()
+    stats = engine.cache_stats()
+    assert stats.num_swap_outs > 0 and stats.num_used_swap_slots == 0 and stats.num_free_pages == stats.num_pages
+    assert sim.runner.num_pages_swapped_in <= sim.runner.num_pages_swapped_out
+
+
+def test_swaps_only_where_the_transfer_is_cheaper_than_recompute():
+    def run(cost: CostModel) -> tuple[int, int]:
+        sim = _sim(cost=cost)
+        sim.scheduler.policy.set_costs(StepCosts(step_time=cost))  # the recompute price
+        for _ in range(12):
+            sim.add(60, 40)
+        sim.run_until_idle()
+        stats = sim.llm_engine.cache_stats()
+        return stats.num_preemptions, stats.num_swap_outs
+
+    cheap_transfer = CostModel(per_token_s=0.001, swap_out_s_per_page=1e-4, swap_in_s_per_page=1e-4)
+    preemptions, swaps = run(cheap_transfer)
+    assert preemptions > 0 and swaps == preemptions
+    slow_transfer = CostModel(per_token_s=1e-6, swap_out_s_per_page=0.01, swap_in_s_per_page=0.01)
+    preemptions, swaps = run(slow_transfer)
+    assert preemptions > 0 and swaps == 0
+
+
+def test_swapped_request_resumes_where_it_stopped():
+    sim = _sim()
+    r = _swapped_waiting(sim)
+    computed, kind, num_slots = r.num_computed_tokens, r.kind, len(r.swap_slots)
+    assert computed > 0 and not r.page_ids
+    while r.is_swapped:
+        out = sim.step()
+    plan = next(p for p in out.swap_in if p.request_id == r.request_id)
+    assert len(plan.slots) == num_slots and r.kind is kind and r.page_ids[:num_slots] == plan.pages
+    chunk = next(c for c in out.chunks if c.request is r)
+    assert r.num_computed_tokens == computed + chunk.num_tokens  # it went on from there, no recompute
+
+
+def test_preempted_in_the_step_that_swapped_it_in_goes_back_to_its_slots_without_copies():
+    sim = _sim()
+    r = _swapped_waiting(sim)
+    for other in list(sim.scheduler.running):  # make room for it
+        sim.scheduler.finish(other, other.status.FINISHED_ABORTED)
+    slots, computed = list(r.swap_slots), r.num_computed_tokens
+    ctx = SchedulingContext(sim.scheduler, sim.now)
+    assert ctx.schedule(r, r.num_tokens_to_compute) and r.page_ids and not r.is_swapped
+    ctx.preempt(r)
+    out = ctx.output()
+    assert out.swap_in == [] and out.swap_out == [] and out.preempt_swapped == [True]
+    assert r.swap_slots == slots and r.num_computed_tokens == computed and not r.page_ids
+    sim.cache.release_deferred()
+    sim.llm_engine.check_integrity()
+
+
+def test_preempted_after_an_upgrade_in_the_same_step_is_recomputed_and_the_upgrade_dropped():
+    sim = _sim(cache_ratio=1.0)  # sarathi gives hidden pages
+    r = sim.add(60, 10)
+    sim.step()
+    assert r.kind is CacheKind.HIDDEN and r.num_computed_tokens == 60
+    ctx = SchedulingContext(sim.scheduler, sim.now)
+    assert ctx.upgrade(r)
+    ctx.preempt(r)  # its new KV pages would be filled only when the step runs: nothing to swap
+    out = ctx.output()
+    assert out.upgrades == [] and out.swap_out == [] and out.preempt_swapped == [False]
+    assert r.num_computed_tokens == 0 and not r.is_swapped
+    sim.cache.release_deferred()
+    sim.llm_engine.check_integrity()
+
+
+def test_a_swapped_request_asked_for_another_kind_is_recomputed_in_it():
+    sim = _sim()
+    r = _swapped_waiting(sim)
+    for other in list(sim.scheduler.running):
+        sim.scheduler.finish(other, other.status.FINISHED_ABORTED)
+    assert r.kind is CacheKind.KV
+    ctx = SchedulingContext(sim.scheduler, sim.now)
+    n = r.num_tokens_to_compute
+    assert ctx.schedule(r, n, CacheKind.HIDDEN)
+    assert r.kind is CacheKind.HIDDEN and not r.is_swapped and ctx.output().swap_in == []
+    assert r.num_computed_tokens == 0 and ctx.output().chunks[0].num_tokens == n  # recomputed from the start
+    assert sim.llm_engine.swap.num_used_slots == 0
