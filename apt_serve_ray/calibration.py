@@ -1,16 +1,20 @@
 """Measured costs the scheduler prices decisions with: ``rho`` and a step-time model.
 
-* ``calibrate_rho`` times what a hidden-cache request adds to every decode step: its decode attention
-  over hidden pages minus the same over KV pages, in every layer, through the engine's attention
-  backend (the unfused path gathers x and projects K/V for the whole context; the fused CPU path
-  scores the stored x against the absorbed query, or projects page by page under RoPE). The
+* ``calibrate_kind`` times what a request whose pages are of a compressed kind adds to every decode
+  step: its decode attention over pages of that kind minus the same over KV pages, in every layer,
+  through the engine's attention backend (hidden: the unfused path gathers x and projects K/V for
+  the whole context, the fused CPU path scores the stored x against the absorbed query, or projects
+  page by page under RoPE; kv-int8 / hidden-int8: the same reads with dequantisation). The
   difference is fitted as ``intercept + seconds_per_token * L`` over a range of context lengths L;
-  ``rho = seconds_per_page`` is the slope times the tokens of one KV page (``block_size``), the unit
-  in which the scheduler counts a request's memory ``m_i`` (SPEC section 2).
+  ``seconds_per_page`` is the slope times the tokens of one KV page (``block_size``), the unit in
+  which the scheduler counts a request's memory ``m_i`` (SPEC section 2). For the hidden kind it is
+  ``rho`` (``calibrate_rho``).
 * ``step_time_model`` times whole steps (prepare + forward + lm-head + sample) for a few decode
   batches and prefill chunks and fits ``step_s ~ a + b * num_tokens + c * sum_context``.
 * ``measure_costs`` is what the engine calls when it installs a policy that prices with them: it
-  measures the ``StepCosts`` the policy was not given, and the engine injects them.
+  measures the ``StepCosts`` the policy was not given, for the compressed kinds the engine offers,
+  and the engine injects them. A kind whose measurement fails (its decode path is missing or
+  broken) is marked unavailable with a warning, and the policy does not offer it: start-up goes on.
 
 Timings take the fastest of a few repeats (interference only adds time) and, on a CPU with one
 torch thread, this thread's CPU time rather than wall time, so a busy shared machine does not
@@ -39,24 +43,41 @@ DEFAULT_RHO_LENGTHS = (64, 128, 256, 512, 1024)
 _OWNER = "__calibration__"
 
 
-def measure_costs(runner, pool, known: StepCosts = StepCosts(), *, hidden_allowed: bool) -> StepCosts:
+def measure_costs(runner, pool, known: StepCosts = StepCosts(), *, hidden_allowed: bool,
+                  kinds: tuple[CacheKind, ...] | None = None) -> StepCosts:
     """``known`` with its unknown fields measured on ``runner``'s model, borrowing free pages of ``pool``.
 
-    rho is measured only where the hidden kind may be used (0 otherwise), and then also prices the
-    hidden requests' recompute in the step-time model. A pool too small to time a few batches leaves
-    the step-time model unknown (prefill chunks then keep the fixed token budget)."""
+    ``kinds``: the compressed kinds the engine offers (None: the hidden kind where ``hidden_allowed``);
+    only those are timed, the others keep cost 0 (never used). rho is 0 where the hidden kind may not
+    be used; its calibration also prices the hidden requests' recompute in the step-time model. A
+    pool too small to time a few batches leaves the step-time model unknown (prefill chunks then keep
+    the fixed token budget)."""
+    if kinds is None:
+        kinds = (CacheKind.HIDDEN,) if hidden_allowed else ()
     rho, step_time, rho_calibration = known.rho, known.step_time, None
+    costs, unavailable = dict(known.kind_costs), set(known.unavailable)
+    for kind in kinds:
+        if known.known(kind) or kind in unavailable:
+            continue
+        try:
+            calibration = calibrate_kind(runner, kind)
+        except Exception as exc:  # noqa: BLE001 -- any failure of one kind's path must not stop the engine
+            logger.warning("the %s cache kind could not be timed (%s: %s); the adaptive policy will not offer it",
+                           kind.value, type(exc).__name__, exc)
+            unavailable.add(kind)
+            continue
+        if kind is CacheKind.HIDDEN:
+            rho, rho_calibration = calibration.seconds_per_page, calibration
+        else:
+            costs[kind] = calibration.seconds_per_page
     if rho is None:
         rho = 0.0
-        if hidden_allowed:
-            rho_calibration = calibrate_rho(runner)
-            rho = rho_calibration.seconds_per_page
     if step_time is None:
         try:
             step_time = step_time_model(runner, pool=pool, rho=rho_calibration)
         except ValueError as exc:
             logger.warning("no step-time model (%s); prefill chunks use the fixed token budget", exc)
-    return StepCosts(rho, step_time)
+    return StepCosts(rho, step_time, costs, frozenset(unavailable))
 
 
 def _sync(device: torch.device) -> None:
@@ -88,10 +109,10 @@ def _r2(pred: list[float], ys: list[float]) -> float:
 
 # rho ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class RhoCalibration:
-    """Per-decode-step cost of keeping one request's context in the hidden kind."""
+class KindCalibration:
+    """Per-decode-step cost of keeping one request's context in a compressed kind (hidden: rho)."""
 
-    seconds_per_page: float  # rho: extra decode time of one KV page worth of hidden tokens, all layers
+    seconds_per_page: float  # extra decode time of one KV page worth of tokens of this kind, all layers
     seconds_per_token: float  # the fitted slope
     intercept_s: float  # fixed cost per request per step (launches, Python), not per page
     tokens_per_page: int  # the KV page size the per-page figure is for (block_size)
@@ -99,23 +120,48 @@ class RhoCalibration:
     r2: float = 1.0
     repeats: int = 0
     wall_s: float = 0.0  # how long the calibration itself took
+    kind: CacheKind = CacheKind.HIDDEN
 
     def recompute_seconds(self, num_tokens: int) -> float:
         """Predicted extra decode-step time of one hidden request with ``num_tokens`` of context."""
         return self.intercept_s + self.seconds_per_token * num_tokens
 
 
+RhoCalibration = KindCalibration  # the hidden kind's, by its old name
+
+
+def calibrate_rho(runner, lengths: tuple[int, ...] = DEFAULT_RHO_LENGTHS, repeats: int = 3) -> KindCalibration:
+    """``calibrate_kind`` for the hidden kind: rho."""
+    return calibrate_kind(runner, CacheKind.HIDDEN, lengths, repeats)
+
+
+def _decode_fn(backend, model, kind: CacheKind):
+    """The backend's decode of one layer over pages of ``kind`` as ``f(layer, q, group, storage)``
+    (AttributeError where the backend has none: the kind cannot run)."""
+    attend = getattr(backend, "decode_" + kind.value.replace("-", "_"))
+    if kind.stores_hidden:
+        return lambda layer, q, g, storage: attend(layer, q, g, storage, model.kv_projections[layer], model.scale)
+    return lambda layer, q, g, storage: attend(layer, q, g, storage, model.scale)
+
+
 @torch.inference_mode()
-def calibrate_rho(runner, lengths: tuple[int, ...] = DEFAULT_RHO_LENGTHS, repeats: int = 3) -> RhoCalibration:
-    """Time one request's decode attention in all layers over hidden pages and over KV pages, for
+def calibrate_kind(runner, kind: CacheKind, lengths: tuple[int, ...] = DEFAULT_RHO_LENGTHS,
+                   repeats: int = 3) -> KindCalibration:
+    """Time one request's decode attention in all layers over pages of ``kind`` and over KV pages, for
     each context length in ``lengths``, and fit a line to the difference. Lengths beyond the
     model's context or the cache's capacity are dropped. Reads cache pages only."""
     if repeats < 1:
         raise ValueError(f"repeats: must be >= 1, got {repeats}")
+    kind = CacheKind(kind)
+    if not kind.is_compressed:
+        raise ValueError(f"kind: {kind.value} is not a compressed kind")
     start = time.perf_counter()
     layout, storage, device = runner.layout, runner.storage, runner.device
     model, backend = runner.model, runner.attention
-    limit = min(runner.max_model_len, runner.num_pages * layout.block_size)
+    tpp_kind = layout.tokens_per_page(kind)
+    if tpp_kind <= 0:
+        raise ValueError(f"kind: a page is too small for one {kind.value} token")
+    limit = min(runner.max_model_len, runner.num_pages * min(layout.block_size, tpp_kind))
     usable = sorted({int(n) for n in lengths if 0 < int(n) <= limit})
     if len(usable) < 2:
         usable = sorted({max(1, limit // 4), max(2, limit // 2)})
@@ -124,44 +170,43 @@ def calibrate_rho(runner, lengths: tuple[int, ...] = DEFAULT_RHO_LENGTHS, repeat
     q = torch.randn(1, shape.num_heads, shape.head_dim, generator=torch.Generator().manual_seed(0))
     q = q.to(device=device, dtype=runner.dtype)
 
-    def one_pass(n: int, kind: CacheKind) -> float:
-        # The decode path's shape: one request attending over pages 0.. of ``kind``.
-        tpp = layout.tokens_per_page(kind)
+    def one_pass(n: int, k: CacheKind) -> float:
+        # The decode path's shape: one request attending over pages 0.. of kind ``k``.
+        tpp = layout.tokens_per_page(k)
         group = DecodeGroup(
             rows=torch.zeros(1, dtype=torch.long, device=device),
             block_table=torch.arange((n + tpp - 1) // tpp, dtype=torch.int32, device=device).unsqueeze(0),
             ctx_lens=torch.tensor([n], dtype=torch.int32, device=device), max_len=n, tokens_per_page=tpp,
         )
+        attend = decode[k]
         _sync(device)
         t = clock()
         for layer in range(layout.num_layers):
-            if kind is CacheKind.KV:
-                backend.decode_kv(layer, q, group, storage, model.scale)
-            else:
-                backend.decode_hidden(layer, q, group, storage, model.kv_projections[layer], model.scale)
+            attend(layer, q, group, storage)
         _sync(device)
         return clock() - t
 
-    kinds = (CacheKind.KV, CacheKind.HIDDEN)
-    for kind in kinds:  # warm-up: allocator, kernels, caches
-        one_pass(usable[-1], kind)
+    kinds = (CacheKind.KV, kind)
+    decode = {k: _decode_fn(backend, model, k) for k in kinds}
+    for k in kinds:  # warm-up: allocator, kernels, caches (and a missing or broken path fails here)
+        one_pass(usable[-1], k)
     # Round-robin over the lengths, then the fastest repeat of each: interference from other
     # processes only ever adds time, and a burst of it then does not tilt the fitted line.
-    best = {(n, kind): float("inf") for n in usable for kind in kinds}
+    best = {(n, k): float("inf") for n in usable for k in kinds}
     for _ in range(repeats):
         for n in usable:
-            for kind in kinds:
-                best[n, kind] = min(best[n, kind], one_pass(n, kind))
-    points = [(n, max(0.0, best[n, CacheKind.HIDDEN] - best[n, CacheKind.KV])) for n in usable]
+            for k in kinds:
+                best[n, k] = min(best[n, k], one_pass(n, k))
+    points = [(n, max(0.0, best[n, kind] - best[n, CacheKind.KV])) for n in usable]
     intercept, slope = _fit([[1.0, float(n)] for n, _ in points], [t for _, t in points])
     if slope <= 0:  # all noise (tiny models): no per-token cost can be resolved
         slope, intercept = 0.0, sum(t for _, t in points) / len(points)
     intercept = max(0.0, intercept)
     pred = [intercept + slope * n for n, _ in points]
-    return RhoCalibration(
+    return KindCalibration(
         seconds_per_page=slope * layout.block_size, seconds_per_token=slope, intercept_s=intercept,
         tokens_per_page=layout.block_size, points=tuple(points), r2=_r2(pred, [t for _, t in points]),
-        repeats=repeats, wall_s=time.perf_counter() - start,
+        repeats=repeats, wall_s=time.perf_counter() - start, kind=kind,
     )
 
 
@@ -178,7 +223,7 @@ class StepTimeModel:
     c: float
     points: tuple[tuple[str, int, int, float], ...]  # (composition, num_tokens, sum_context, seconds)
     r2: float = 1.0
-    hidden_seconds_per_token: float = 0.0  # from RhoCalibration, per token of hidden context
+    hidden_seconds_per_token: float = 0.0  # from the hidden kind's KindCalibration, per token of hidden context
     wall_s: float = 0.0
 
     def predict(self, num_tokens: int, sum_context: int, sum_hidden_context: int = 0) -> float:
@@ -205,7 +250,7 @@ def step_time_model(
     prefill_chunk_sizes: tuple[int, ...] = (128, 512),
     repeats: int = 2,
     pool=None,
-    rho: RhoCalibration | None = None,
+    rho: KindCalibration | None = None,
 ) -> StepTimeModel:
     """Time ``runner.execute`` on KV decode batches (every size x context) and single prefill
     chunks, and fit the linear step-time model. Compositions that do not fit the model's context

@@ -16,6 +16,7 @@ import torch
 from apt_serve_ray.cache.cache_manager import CacheManager
 from apt_serve_ray.calibration import measure_costs
 from apt_serve_ray.cache.page_pool import PagePool
+from apt_serve_ray.cache.swap import SwapSpace, make_swap_space
 from apt_serve_ray.config import EngineConfig, check_share
 from apt_serve_ray.detokenizer import IncrementalDetokenizer
 from apt_serve_ray.model_loader import load_tokenizer, resolve_model
@@ -40,7 +41,9 @@ class LLMEngine:
 
     A runner has ``layout``, ``num_pages``, ``max_model_len``, ``vocab_size`` and ``hf_config`` (for
     its EOS ids; may be None), ``execute(out) -> [(request, SampledToken)]`` for the requests whose
-    chunk completes, and ``forget(request_id)``. Every time the engine reads (arrival, schedule,
+    chunk completes, and ``forget(request_id)``; with ``swap_space``, ``execute`` also runs the
+    output's swap plans (the engine hands a runner with cache tensors, ``storage``, its ``swap``; one
+    without them prices transfers with its ``transfer_cost``). Every time the engine reads (arrival, schedule,
     tokens, finish, step durations) comes from ``clock()``.
     """
 
@@ -69,7 +72,8 @@ class LLMEngine:
                            self.max_model_len, kv_capacity, self.runner.num_pages)
             self.max_model_len = kv_capacity
         self.vocab_size = self.runner.vocab_size
-        self.cache = CacheManager(PagePool(self.runner.num_pages), self.layout)
+        self.swap = self._make_swap_space()
+        self.cache = CacheManager(PagePool(self.runner.num_pages), self.layout, self.swap)
         self.hidden_allowed = config.hidden_allowed(self.layout.hidden_saves_memory)
         self.compressed_kinds = config.compressed_kinds(self.layout)
         self._log_cache_geometry()
@@ -126,6 +130,16 @@ class LLMEngine:
                         "hidden kind FORCED on for testing" if self.config.force_hidden else "KV pages only",
                         self.runner.num_pages, lay.bytes_per_page)
 
+    def _make_swap_space(self) -> SwapSpace | None:
+        """The tier below memory (none at ``swap_space`` 0), its transfer cost measured now, as rho is."""
+        swap = make_swap_space(self.config.swap_space, self.config.swap_dir, self.layout, self.runner)
+        if swap is not None and swap.is_backed:
+            cost = swap.transfer
+            logger.info("swap space: %s; %.3f ms per page out (%.2f GB/s), %.3f ms in (%.2f GB/s)", swap.describe(),
+                        cost.out_s_per_page * 1e3, cost.gb_per_s()[0], cost.in_s_per_page * 1e3, cost.gb_per_s()[1])
+            self.runner.swap = swap
+        return swap
+
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
         eos = getattr(self.runner.hf_config, "eos_token_id", None)
@@ -140,7 +154,8 @@ class LLMEngine:
         itself never sees the engine. ``calibrate_rho=False`` (the simulator) measures nothing."""
         costs = getattr(policy, "costs", None)
         if costs is not None and self.config.calibrate_rho:
-            policy.set_costs(measure_costs(self.runner, self.cache.pool, costs, hidden_allowed=self.hidden_allowed))
+            policy.set_costs(measure_costs(self.runner, self.cache.pool, costs, hidden_allowed=self.hidden_allowed,
+                                           kinds=self.compressed_kinds))
         self.scheduler.policy = policy
 
     # Requests -------------------------------------------------------------------------------------
@@ -197,6 +212,9 @@ class LLMEngine:
         self.requests[request.request_id] = request
         self.scheduler.add_request(request)
         self._emit(request, RequestEvent.QUEUED, self.clock())
+        predictor = getattr(self.scheduler.policy, "predictor", None)
+        if predictor is not None:  # ``enable_prediction``: here, not an observer, so attach order is free
+            predictor.observe_request(request.arrival_time, request.num_prompt_tokens, request.max_output_tokens)
         return request
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -233,6 +251,9 @@ class LLMEngine:
         except Exception as exc:  # the step failed: every request in it ends with an explicit error
             logger.exception("step failed; failing %d requests", len(out.chunks))
             self.cache.release_deferred()
+            for plan in out.swap_out:  # their slots may not hold their pages: recompute them
+                if plan.request_id in self.requests:
+                    self.cache.drop_swapped(self.requests[plan.request_id])
             failed = []
             for chunk in out.chunks:
                 chunk.request.error = f"{type(exc).__name__}: {exc}"
@@ -248,6 +269,7 @@ class LLMEngine:
             schedule_s=out.schedule_time_s, execute_s=now - t1, total_s=self.clock() - t0,
             num_tokens=out.num_batched_tokens, num_seqs=len(out.chunks), num_upgrades=len(out.upgrades),
             preempt_causes=tuple(out.preempt_causes), cache=self.cache_stats(),
+            num_swap_outs=sum(out.preempt_swapped), num_swap_ins=len(out.swap_in),
         )
         for observer in self._observers:
             observer.on_step(self, self.last_step, now)
@@ -257,8 +279,8 @@ class LLMEngine:
         for chunk in out.chunks:
             if chunk.request.first_scheduled_time == now:
                 self._emit(chunk.request, RequestEvent.SCHEDULED, now, num_tokens=chunk.num_tokens)
-        for request, cause in zip(out.preempted, out.preempt_causes):
-            self._emit(request, RequestEvent.PREEMPTED, now, cause=cause)
+        for request, cause, swapped in zip(out.preempted, out.preempt_causes, out.preempt_swapped):
+            self._emit(request, RequestEvent.PREEMPTED, now, cause=cause, swapped=swapped)
         for plan in out.upgrades:
             if plan.request_id in self.requests:
                 self._emit(self.requests[plan.request_id], RequestEvent.UPGRADED, now, num_tokens=plan.num_tokens)
@@ -339,6 +361,17 @@ class LLMEngine:
         if self.watermarks is not None:
             self.watermarks.base = self.watermarks.ratio = self.scheduler.cache_ratio
 
+    def check_integrity(self) -> None:
+        """Both tiers, between steps: the page pool and the swap slots are consistent, every request's
+        pages and slots are its own, and no page or slot is held by a request the engine has not."""
+        self.cache.check_integrity(self.requests.values())
+        for request in self.scheduler.running:
+            if request.swap_slots:
+                raise AssertionError(f"running request {request.request_id} still holds swap slots")
+        for request in self.scheduler.waiting:
+            if request.page_ids:
+                raise AssertionError(f"waiting request {request.request_id} holds pages")
+
     def set_admission(self, open_: bool) -> None:
         self.scheduler.admission_open = bool(open_)
 
@@ -355,6 +388,8 @@ class LLMEngine:
             pages_by_kind={k.value: pool.num_used(k) for k in CacheKind}, tokens_by_kind=tokens,
             compressed_share=sched.compressed_share(),
             num_waiting=len(sched.waiting), num_running=len(sched.running), num_preemptions=sched.num_preemptions,
+            num_swap_slots=self.swap.num_slots if self.swap else 0,
+            num_used_swap_slots=self.swap.num_used_slots if self.swap else 0, num_swap_outs=sched.num_swap_outs,
             admission_open=sched.admission_open and sched.pressure_admit, hidden_allowed=self.hidden_allowed,
             **self._geometry,
         )

@@ -38,7 +38,8 @@ def simulate(policy: str, trace, args, cost: CostModel, rho: float) -> dict:
     config = EngineConfig(policy="apt" if policy.startswith("apt") else policy, calibrate_rho=False,
                           enable_watermarks=False, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_num_seqs=args.max_num_seqs, default_ttft_slo_ms=args.ttft_slo_ms,
-                          default_tbt_slo_ms=args.tbt_slo_ms, enable_hybrid_cache=policy != "apt-kv-only")
+                          default_tbt_slo_ms=args.tbt_slo_ms, enable_hybrid_cache=policy != "apt-kv-only",
+                          cache_ratio=args.cache_ratio)
     scheduler = None
     if policy.startswith("apt"):
         scheduler = AdaptiveScheduler(config=config, rho=rho, step_model=cost)
@@ -91,6 +92,8 @@ def main() -> None:
     p.add_argument("--tbt-slo-ms", type=float, default=500)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cache-ratio", type=float, default=1.0,
+                   help="ceiling of the pool's pages in the hidden kind (1: no ceiling binds; 0: KV only)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     default_rates = {"sharegpt": [0.1, 0.2, 0.3, 0.4, 0.5, 0.8], "longbench": [0.05, 0.1, 0.15, 0.2, 0.3],

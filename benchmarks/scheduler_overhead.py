@@ -20,7 +20,10 @@ alone, and the whole decision an engine iteration pays.
   to ``n`` again. That is the candidates' state read, the value model, the greedy, and the choice
   applied (admissions, preemptions, upgrades, pages allocated, chunks built) under the engine's
   limits (``--max-num-seqs``, ``--max-num-batched-tokens``; default: ``EngineConfig``'s). Median
-  and p90 over ``--full-steps`` consecutive steps.
+  and p90 over ``--full-steps`` consecutive steps. ``--cache-ratio`` (default 1: no ceiling binds)
+  and ``--cache-kinds`` (default hidden) set the compressed kinds ``apt`` may choose among; at the
+  default rho the hidden kind does not pay for throughput on the simulator's cost model, so it is
+  not offered (``--rho-s-per-page 1e-7`` offers it).
 * ``first_sight_ms`` -- the first of those decisions, when every waiting request is new to the
   policy and read in full (later ones read only the requests that changed: the running ones and
   new arrivals). Garbage-collector passes land where they land, in both.
@@ -95,17 +98,19 @@ class Scenario:
     2/4/8 s, the first ones arrived over the last 5 s); memory fits the running ones and about half
     of the waiting ones. Every step, arrivals top the candidates up to ``n`` again."""
 
-    def __init__(self, n: int, rng: np.random.Generator, rho: float, max_num_seqs: int, max_tokens: int) -> None:
+    def __init__(self, n: int, rng: np.random.Generator, rho: float, max_num_seqs: int, max_tokens: int,
+                 cache_ratio: float = 1.0, cache_kinds: tuple[str, ...] = ("hidden",)) -> None:
         self.n, self.rng = n, rng
         num_running = min(n // 2, max_num_seqs)
         prompts = rng.integers(16, 513, n)
         running, waiting = prompts[:num_running], prompts[num_running:]
         num_pages = int((running // 16 + 3).sum() + (waiting // 16 + 1).sum() // 2) + 1
         config = EngineConfig(policy="apt", calibrate_rho=False, enable_watermarks=False, max_num_seqs=max_num_seqs,
-                              max_num_batched_tokens=max_tokens)
+                              max_num_batched_tokens=max_tokens, cache_ratio=cache_ratio, cache_kinds=cache_kinds)
         self.sim = sim = SimulatedEngine(config, num_pages=num_pages)
         # As on the engine, which always measures both: rho and a step-time model (the simulator's own).
-        sim.scheduler.policy.set_costs(StepCosts(rho=rho, step_time=sim.cost))
+        sim.scheduler.policy.set_costs(StepCosts(rho=rho, step_time=sim.cost,
+                                                 kind_costs={k: rho / 20 for k in ("kv-int8", "hidden-int8")}))
         started = [sim.add(int(p), 1024) for p in running]
         for _ in range(1000):  # prefill them (chunked under the token budget) until every one decodes
             if all(r.is_decoding for r in started):
@@ -129,13 +134,14 @@ class Scenario:
 
 
 def measure_full(n: int, steps: int, rng: np.random.Generator, rho: float, *, max_num_seqs: int, max_tokens: int,
-                 all_run: bool = False, profiler: cProfile.Profile | None = None) -> dict:
+                 all_run: bool = False, profiler: cProfile.Profile | None = None, cache_ratio: float = 1.0,
+                 cache_kinds: tuple[str, ...] = ("hidden",)) -> dict:
     """The decision time (``SchedulerOutput.schedule_time_s``: all of ``Scheduler.schedule()``) of
     ``steps`` consecutive engine steps at ``n`` candidates, after the first one (every waiting
     request new to the policy), which is reported apart."""
     if all_run:
         max_num_seqs, max_tokens = n, 64 * n
-    scenario = Scenario(n, rng, rho, max_num_seqs, max_tokens)
+    scenario = Scenario(n, rng, rho, max_num_seqs, max_tokens, cache_ratio, cache_kinds)
     sched = scenario.sim.scheduler
     if profiler is not None:
         decide = sched.schedule
@@ -166,6 +172,10 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
                         help="its token budget")
     parser.add_argument("--all-run", action="store_true", help="also time the decision with no batch limit")
+    parser.add_argument("--cache-ratio", type=float, default=1.0,
+                        help="ceiling of compressed pages (1: none binds; 0: KV only, apt then prices one kind)")
+    parser.add_argument("--cache-kinds", nargs="+", default=["hidden"],
+                        help="compressed kinds offered (hidden, kv-int8, hidden-int8; int8 costs: rho / 20)")
     parser.add_argument("--profile", type=int, default=None, metavar="N",
                         help="profile the decisions of --full-steps steps at N candidates and print the top functions")
     parser.add_argument("--json", type=Path, default=None, help="write results to this file")
@@ -175,7 +185,8 @@ def main() -> None:
     if any(n < 2 for n in args.sizes):
         parser.error("--sizes must all be >= 2")
     rng = np.random.default_rng(args.seed)
-    limits = dict(max_num_seqs=args.max_num_seqs, max_tokens=args.max_num_batched_tokens)
+    limits = dict(max_num_seqs=args.max_num_seqs, max_tokens=args.max_num_batched_tokens, cache_ratio=args.cache_ratio,
+                  cache_kinds=tuple(args.cache_kinds))
 
     if args.profile is not None:
         profiler = cProfile.Profile()
@@ -224,6 +235,7 @@ def main() -> None:
                 "full_decision_all_run_ms": "the same with max_num_seqs = n and 64 n tokens (no batch limit)",
             },
             "config": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+                       "cache_ratio": args.cache_ratio, "cache_kinds": args.cache_kinds,
                        "rho_s_per_page": args.rho_s_per_page, "repeats": args.repeats,
                        "full_steps": args.full_steps, "seed": args.seed},
             "results": results, "paper_ms": PAPER_MS}, indent=2) + "\n")

@@ -157,3 +157,144 @@ def test_first_misfit_upgrade_alone_can_win_as_kv():
     sel = greedy_select([10.0, 3.0], [4.0, 0.0], [3, 1], [1, 1], [True, False], 3)
     assert sel.chosen.tolist() == [True, False] and not sel.hidden.any()
     assert sel.value == 10.0 and sel.pages == 3
+
+
+# K options per request (every cache kind), and the compressed-pages ceiling ----------------------------
+from apt_serve_ray.scheduler.knapsack import SKIP, Choice, brute_force_choice, greedy_choice  # noqa: E402
+
+
+def _random_kinds_instance(rng: np.random.Generator):
+    """n requests, K options; column 0 is plain (KV), the others compressed (fewer pages, less value)."""
+    n, k = int(rng.integers(1, 7)), int(rng.integers(1, 5))
+    mem_kv = rng.integers(0 if rng.random() < 0.2 else 1, 13, n)
+    value = np.round(rng.uniform(0, 10, n), int(rng.integers(1, 7)))
+    pages = np.empty((n, k), dtype=np.int64)
+    values = np.empty((n, k))
+    pages[:, 0], values[:, 0] = mem_kv, value
+    for j in range(1, k):
+        ratio = rng.choice([0.5, 0.53, 0.4, 1.0, 1.3])  # hidden, kv-int8, hidden-int8, none, GQA hidden
+        pages[:, j] = np.ceil(mem_kv * ratio).astype(np.int64)
+        values[:, j] = value - value * rng.choice([0.0, 0.1, 0.5, 0.9, 1.5], n)  # may go negative
+    allowed = rng.random((n, k)) < rng.choice([0.5, 0.9, 1.0])
+    compressed = np.arange(k) > 0
+    total = int(pages.max(axis=1).sum())
+    capacity = int(rng.integers(0, total + 2))
+    limit = None if rng.random() < 0.3 else int(rng.integers(0, max(1, total // 2) + 1))
+    return (values, pages, allowed, capacity), dict(compressed=compressed, compressed_limit=limit)
+
+
+def _check_choice(choice: Choice, values, pages, allowed, capacity, compressed, compressed_limit):
+    rows = np.flatnonzero(choice.option != SKIP)
+    cols = choice.option[rows]
+    assert np.all(allowed[rows, cols]) and np.all((choice.option >= SKIP) & (choice.option < values.shape[1]))
+    assert choice.pages == pages[rows, cols].sum() <= capacity
+    assert choice.compressed_pages == pages[rows, cols][compressed[cols]].sum()
+    if compressed_limit is not None:
+        assert choice.compressed_pages <= compressed_limit
+    assert choice.value == pytest.approx(values[rows, cols].sum(), abs=1e-9)
+
+
+def test_multiple_choice_greedy_is_half_optimal_without_a_ceiling():
+    rng = np.random.default_rng(13)
+    for _ in range(2000):
+        args, kw = _random_kinds_instance(rng)
+        kw["compressed_limit"] = None
+        greedy, exact = greedy_choice(*args, **kw), brute_force_choice(*args, **kw)
+        _check_choice(greedy, *args, **kw)
+        _check_choice(exact, *args, **kw)
+        assert exact.value * 0.5 - 1e-9 <= greedy.value <= exact.value + 1e-9, (args, kw)
+
+
+def test_multiple_choice_greedy_never_exceeds_the_ceiling_and_keeps_a_quarter_of_the_optimum():
+    rng = np.random.default_rng(14)
+    bound_was_half = []
+    for _ in range(2000):
+        args, kw = _random_kinds_instance(rng)
+        greedy, exact = greedy_choice(*args, **kw), brute_force_choice(*args, **kw)
+        _check_choice(greedy, *args, **kw)
+        assert exact.value * 0.25 - 1e-9 <= greedy.value <= exact.value + 1e-9, (args, kw)
+        bound_was_half.append(greedy.value >= 0.5 * exact.value - 1e-9)
+    assert np.mean(bound_was_half) > 0.95  # the 1/4 is a worst case; in practice the fix-up rarely loses much
+
+
+def test_multiple_choice_greedy_is_exact_where_the_lp_is_integral():
+    # Every option of every request fits together: no misfit, so the LP optimum is integral and the
+    # greedy takes it (each request its most valuable option).
+    rng = np.random.default_rng(15)
+    for _ in range(500):
+        (values, pages, allowed, _), kw = _random_kinds_instance(rng)
+        capacity = int(pages.max(axis=1).sum())
+        greedy = greedy_choice(values, pages, allowed, capacity, compressed=kw["compressed"])
+        exact = brute_force_choice(values, pages, allowed, capacity, compressed=kw["compressed"])
+        assert greedy.value == pytest.approx(exact.value, abs=1e-9)
+    # And a prefix that fills the capacity exactly: hidden items of both (2 + 2 pages), then nothing fits.
+    values, pages = np.array([[10.0, 8.0], [10.0, 8.0]]), np.array([[4, 2], [4, 2]])
+    assert greedy_choice(values, pages, None, 4).value == brute_force_choice(values, pages, None, 4).value == 16.0
+
+
+def test_the_cheapest_sufficient_kind_wins_and_each_request_gets_at_most_one():
+    # Options: KV (4 pages, 10), kv-int8 (2 pages, 9.5), hidden (2 pages, 6). Two requests, 4 pages: both kv-int8.
+    values = np.array([[10.0, 9.5, 6.0]] * 2)
+    pages = np.array([[4, 2, 2]] * 2)
+    choice = greedy_choice(values, pages, None, 4, compressed=[False, True, True])
+    assert choice.option.tolist() == [1, 1] and choice.value == 19.0
+    # With room for both in KV they are upgraded in place of the compressed kinds.
+    assert greedy_choice(values, pages, None, 8, compressed=[False, True, True]).option.tolist() == [0, 0]
+
+
+def test_a_zero_ceiling_means_no_compressed_option_and_a_tight_one_falls_back_to_kv():
+    values = np.array([[10.0, 9.0]] * 3)
+    pages = np.array([[4, 2]] * 3)
+    args = (values, pages, None, 8)
+    free = greedy_choice(*args, compressed=[False, True])  # all three compressed, then one upgrade fits
+    assert free.option.tolist() == [0, 1, 1] and free.value == 28.0 and free.compressed_pages == 4
+    assert greedy_choice(*args, compressed=[False, True], compressed_limit=0).option.tolist() == [0, 0, SKIP]
+    tight = greedy_choice(*args, compressed=[False, True], compressed_limit=2)
+    assert tight.compressed_pages <= 2 and tight.pages <= 8  # two KV (20) beat one KV and one compressed (19)
+    assert tight.value == brute_force_choice(*args, compressed=[False, True], compressed_limit=2).value == 20.0
+    # Where KV does not fit, the compressed options kept under the ceiling are the ones that entered first.
+    first = greedy_choice(np.array([[10.0, 9.0], [10.0, 8.0]]), np.array([[6, 2], [6, 2]]), None, 4,
+                          compressed=[False, True], compressed_limit=2)
+    assert first.option.tolist() == [1, SKIP] and first.value == 9.0
+
+
+@pytest.mark.parametrize("override, field", [
+    (dict(values=[[1.0, np.nan]]), "values"),
+    (dict(pages=[[1, 2, 3]]), "pages"),
+    (dict(pages=[[1, -1]]), "pages"),
+    (dict(allowed=[[True, False, True]]), "allowed"),
+    (dict(capacity=-1), "capacity"),
+    (dict(compressed=[True]), "compressed"),
+    (dict(compressed_limit=-2), "compressed_limit"),
+    (dict(memory_weight=np.inf), "memory_weight"),
+])
+def test_choice_errors_name_the_field(override, field):
+    args = dict(values=[[1.0, 0.5]], pages=[[2, 1]], allowed=[[True, True]], capacity=3, compressed=[False, True],
+                compressed_limit=1)
+    args.update(override)
+    with pytest.raises(ValueError, match=field):
+        greedy_choice(**args)
+
+
+def test_the_two_option_fast_path_walks_the_same_hull_as_the_general_one():
+    from apt_serve_ray.scheduler import knapsack
+
+    rng = np.random.default_rng(16)
+    for _ in range(300):
+        (values, pages, allowed, _), _ = _random_kinds_instance(rng)
+        if values.shape[1] < 2:
+            continue
+        values, pages, allowed = values[:, :2], pages[:, :2], allowed[:, :2] & (values[:, :2] >= 0)
+        if rng.random() < 0.3:  # equal pages and values: ties must resolve the same way
+            pages[:, 1], values[:, 1] = pages[:, 0], values[:, 0]
+        for w in (1.0, 0.5):
+            args = (list(values.T), list(pages.T), list(allowed.T), w)
+            general, fast = knapsack._chains(*args), knapsack._chains2(*args)
+            none = (np.full(len(values), SKIP),)  # a level no request reaches
+            for t in range(2):
+                g = general[t] if t < len(general) else none
+                f = fast[t] if t < len(fast) else none
+                assert np.array_equal(g[0], f[0]), t
+                on = g[0] != SKIP
+                for a, b in zip(g[1:], f[1:]):
+                    assert np.array_equal(a[on], b[on]), t

@@ -15,7 +15,7 @@ from apt_serve_ray.observability.tracing import RequestTracer
 
 def test_metrics_have_the_right_values_for_a_scripted_run(opt_tiny):
     llm = LLM(opt_tiny, dtype="float32", num_pages=12, max_num_batched_tokens=512, cache_ratio=0.0,
-              default_ttft_slo_ms=60_000, default_tbt_slo_ms=60_000)
+              default_ttft_slo_ms=60_000, default_tbt_slo_ms=60_000, policy="sarathi")  # admits all: preempts
     backend = InMemoryMetrics()
     llm.llm_engine.add_observer(EngineMetrics(backend, model="opt-tiny", replica="r0"))
     engine = llm.llm_engine
@@ -78,7 +78,8 @@ def test_per_request_metrics_are_kept_per_service_class():
     assert backend.get("apt_serve_requests_total", model="m", replica="r", service_class="batch", outcome="length") == 1
     metrics.on_step(None, SimpleNamespace(cache=SimpleNamespace(
         num_waiting=0, num_running=0, num_kv_pages=0, num_hidden_pages=0, num_free_pages=4, cache_ratio=0.0,
-        hidden_share=0.0, usage=0.0), schedule_s=0.001, total_s=0.01), 1.0)
+        hidden_share=0.0, usage=0.0, pages_by_kind={"kv": 0, "kv-int8": 0}, compressed_share=0.0),
+        schedule_s=0.001, total_s=0.01), 1.0)
     assert backend.get("apt_serve_requests_waiting", model="m", replica="r") == 0
 
 

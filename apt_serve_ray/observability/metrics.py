@@ -80,9 +80,13 @@ class EngineMetrics(EngineObserver):
         self.upgrades = b.counter("apt_serve_upgrades_total", "Hidden -> KV in-place upgrades", r)
         self.waiting = b.gauge("apt_serve_requests_waiting", "Requests waiting", t)
         self.running = b.gauge("apt_serve_requests_running", "Requests running", t)
-        self.pages = b.gauge("apt_serve_cache_pages", "Cache pages by kind (kv, hidden, free)", t + ("kind",))
-        self.target = b.gauge("apt_serve_hidden_target_ratio", "Target share of hidden pages", t)
+        self.pages = b.gauge("apt_serve_cache_pages", "Cache pages by kind (kv, hidden, kv-int8, hidden-int8, free)",
+                             t + ("kind",))
+        self.target = b.gauge("apt_serve_hidden_target_ratio",
+                              "cache_ratio: the ceiling of the share of pages in compressed kinds", t)
         self.share = b.gauge("apt_serve_hidden_share", "Measured share of hidden pages among used pages", t)
+        self.compressed = b.gauge("apt_serve_compressed_share",
+                                  "Measured share of compressed pages (hidden, kv-int8, hidden-int8) among used pages", t)
         self.usage = b.gauge("apt_serve_cache_usage", "Share of pages in use", t)
         self.sched = b.histogram("apt_serve_scheduler_seconds", "Scheduler time per iteration", FAST_BUCKETS, t)
         self.step = b.histogram("apt_serve_step_seconds", "Engine step time (schedule + forward + postprocess)",
@@ -116,11 +120,13 @@ class EngineMetrics(EngineObserver):
         tags, cache = self._tags(), stats.cache
         self.waiting.set(cache.num_waiting, tags)
         self.running.set(cache.num_running, tags)
-        self.pages.set(cache.num_kv_pages, self._tags(kind="kv"))
-        self.pages.set(cache.num_hidden_pages, self._tags(kind="hidden"))
+        by_kind = cache.pages_by_kind or {"kv": cache.num_kv_pages, "hidden": cache.num_hidden_pages}
+        for kind, num in by_kind.items():
+            self.pages.set(num, self._tags(kind=kind))
         self.pages.set(cache.num_free_pages, self._tags(kind="free"))
         self.target.set(cache.cache_ratio, tags)
         self.share.set(cache.hidden_share, tags)
+        self.compressed.set(cache.compressed_share, tags)
         self.usage.set(cache.usage, tags)
         self.sched.observe(stats.schedule_s, tags)
         self.step.observe(stats.total_s, tags)

@@ -33,7 +33,10 @@ class CacheTracker(EngineObserver):
         self._last_t = now
         c = stats.cache
         sample = {
-            "t": now - self.start, "kv": c.num_kv_pages, "hidden": c.num_hidden_pages, "free": c.num_free_pages,
+            "t": now - self.start, "kv": c.num_kv_pages, "hidden": c.num_hidden_pages,
+            "kv-int8": (c.pages_by_kind or {}).get("kv-int8", 0),
+            "hidden-int8": (c.pages_by_kind or {}).get("hidden-int8", 0), "free": c.num_free_pages,
+            "compressed_share": c.compressed_share,
             "num_pages": c.num_pages, "usage": c.usage, "cache_ratio": c.cache_ratio, "hidden_share": c.hidden_share,
             "admit": c.admission_open, "running": c.num_running, "waiting": c.num_waiting,
         }
@@ -70,11 +73,19 @@ def plot_memory_timeline(series: dict, crossings: list[dict], path, *, light: fl
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True, height_ratios=[2, 1])
     t = series.get("t", [])
     if t:
-        ax.stackplot(t, series["kv"], series["hidden"], labels=["KV pages", "hidden pages"],
-                     colors=["#4c72b0", "#dd8452"], step="post")
+        kinds = [(k, label, color) for k, label, color in (
+            ("kv", "KV pages", "#4c72b0"), ("kv-int8", "KV-int8 pages", "#55a868"),
+            ("hidden", "hidden pages", "#dd8452"), ("hidden-int8", "hidden-int8 pages", "#8172b3"))
+            if k in series and (k in ("kv", "hidden") or any(series[k]))]
+        ax.stackplot(t, *[series[k] for k, _, _ in kinds], labels=[label for _, label, _ in kinds],
+                     colors=[color for _, _, color in kinds], step="post")
         ax.axhline(series["num_pages"][0], color="black", lw=0.8, ls=":", label="pool")
         ax2.plot(t, series["usage"], color="black", lw=1.2, label="usage", drawstyle="steps-post")
-        ax2.plot(t, series["cache_ratio"], color="#dd8452", lw=1.2, label="hidden target", drawstyle="steps-post")
+        ax2.plot(t, series["cache_ratio"], color="#dd8452", lw=1.2, label="cache_ratio (compressed ceiling)",
+                 drawstyle="steps-post")
+        if "compressed_share" in series:
+            ax2.plot(t, series["compressed_share"], color="#55a868", lw=0.8, ls="--", label="compressed share",
+                     drawstyle="steps-post")
         ax2.plot(t, series["hidden_share"], color="#dd8452", lw=0.8, ls="--", label="hidden share", drawstyle="steps-post")
     ax2.axhline(light, color="#c44e52", lw=0.8, ls="--", label=f"light {light}")
     ax2.axhline(heavy, color="#c44e52", lw=1.2, ls="-", label=f"heavy {heavy}")

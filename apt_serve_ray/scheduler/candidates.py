@@ -13,7 +13,6 @@ two to the same answers).
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from itertools import repeat
 from operator import attrgetter
@@ -30,6 +29,12 @@ _FIELDS = tuple(attrgetter(name) for name in ("arrival_time", "last_token_time",
 _NUM_COLUMNS = len(_FIELDS) + 1
 _TOKENS, _PAGES, _COMPUTED, _KIND = (attrgetter(name) for name in ("all_token_ids", "page_ids", "num_computed_tokens",
                                                                      "kind"))
+# The cache kinds in the order of ``Candidates.mem``'s rows and ``held``'s codes; KV first.
+KINDS = (CacheKind.KV, CacheKind.HIDDEN, CacheKind.KV_INT8, CacheKind.HIDDEN_INT8)
+KIND_CODE = {kind: code for code, kind in enumerate(KINDS)}
+NO_PAGES = -1  # ``held`` of a request holding no pages (waiting)
+_HELD_CODE = {**KIND_CODE, None: NO_PAGES}
+_NEVER_FITS = np.iinfo(np.int64).max // 4  # pages of a kind whose page cannot hold one token
 
 
 def _read_columns(requests: list[Request]) -> np.ndarray:
@@ -81,10 +86,10 @@ class Candidates:
     requests: list[Request]
     num_running: int
     num_tokens: np.ndarray  # known tokens (prompt + generated)
-    mem_kv: np.ndarray  # pages to hold num_tokens + 1 (this step's token) in each kind
-    mem_hidden: np.ndarray
+    mem: np.ndarray  # [len(KINDS), n]: pages to hold num_tokens + 1 (this step's token) in each kind
     num_held: np.ndarray  # pages held now (0 for waiting)
-    is_hidden: np.ndarray  # holds hidden pages now
+    held: np.ndarray  # the kind of the pages held now, as its index in KINDS (NO_PAGES for waiting)
+    mem_held: np.ndarray  # pages each needs in the kind it holds now (KV for those holding none)
     is_decoding: np.ndarray  # running, has a token, one token left to compute
     num_computed: np.ndarray
     arrival: np.ndarray
@@ -93,10 +98,29 @@ class Candidates:
     tbt_slo_ms: np.ndarray
     urgency: np.ndarray | None  # read only when the value model weighs it
     importance: np.ndarray | None
+    priority: np.ndarray | None = None  # the requests' priority values (lower is more important)
 
     @property
     def num(self) -> int:
         return len(self.requests)
+
+    @property
+    def mem_kv(self) -> np.ndarray:
+        return self.mem[0]
+
+    @property
+    def mem_hidden(self) -> np.ndarray:
+        return self.mem[1]
+
+    @property
+    def is_hidden(self) -> np.ndarray:
+        """Holds hidden (full-precision) pages now."""
+        return self.held == 1
+
+    @property
+    def is_compressed(self) -> np.ndarray:
+        """Holds pages of a compressed kind now."""
+        return self.held > 0
 
     @property
     def need(self) -> np.ndarray:
@@ -125,8 +149,10 @@ class Candidates:
         arrival, last, first, max_gap, ttft_ms, tbt_ms, priority, tokens = columns
         num_tokens = tokens.astype(np.int64)
         need = num_tokens + 1
-        mem_kv = -(-need // lay.tokens_per_page(CacheKind.KV))
-        mem_hidden = -(-need // lay.tokens_per_page(CacheKind.HIDDEN))
+        mem = np.empty((len(KINDS), n), dtype=np.int64)
+        for row, kind in zip(mem, KINDS):
+            tpp = lay.tokens_per_page(kind)
+            row[:] = -(-need // tpp) if tpp > 0 else _NEVER_FITS
         # Request.pending_time and Request.has_missed_slo, for all rows at once (comparisons with NaN,
         # no token yet, are False, as the scalar code's branches).
         no_token = np.isnan(last)
@@ -137,12 +163,13 @@ class Candidates:
                               (first - arrival > ttft_s) | (max_gap > tbt_s) | (now - last > tbt_s))
 
         num_held = np.zeros(n, dtype=np.int64)
-        is_hidden = np.zeros(n, dtype=bool)
+        held = np.full(n, NO_PAGES, dtype=np.int64)
         num_computed = np.zeros(n, dtype=np.int64)
+        mem_held = mem[0].copy()
         if n_run:
             num_held[:n_run] = np.fromiter(map(len, map(_PAGES, running)), dtype=np.int64, count=n_run)
-            is_hidden[:n_run] = np.fromiter(map(operator.is_, map(_KIND, running), repeat(CacheKind.HIDDEN)),
-                                            dtype=bool, count=n_run)
+            held[:n_run] = np.fromiter(map(_HELD_CODE.__getitem__, map(_KIND, running)), dtype=np.int64, count=n_run)
+            mem_held[:n_run] = mem[np.maximum(held[:n_run], 0), np.arange(n_run)]
             num_computed[:n_run] = np.fromiter(map(_COMPUTED, running), dtype=np.int64, count=n_run)
         is_decoding = np.zeros(n, dtype=bool)
         is_decoding[:n_run] = ~np.isnan(first[:n_run]) & (num_tokens[:n_run] - num_computed[:n_run] == 1)
@@ -153,5 +180,5 @@ class Candidates:
             urg = urgency(now, deadline, np.where(no_token, ttft_ms, tbt_ms) / 1000.0)
         if with_importance:
             imp = importance(priority)
-        return cls(requests, n_run, num_tokens, mem_kv, mem_hidden, num_held, is_hidden, is_decoding, num_computed,
-                   arrival, pending_s, missed, tbt_ms, urg, imp)
+        return cls(requests, n_run, num_tokens, mem, num_held, held, mem_held, is_decoding, num_computed,
+                   arrival, pending_s, missed, tbt_ms, urg, imp, priority)

@@ -6,12 +6,20 @@ hands it nothing (``calibrate_rho=False``), so a scenario gives the policy its c
 (``AdaptiveScheduler(rho=..., step_model=...)`` or ``set_costs``); a test hands it numbers. Fields left
 ``None`` are unknown: rho then counts as 0 (the hidden kind is free), and without a step-time model
 prefill chunks keep the fixed token budget.
+
+Every compressed kind costs decode time while a request holds it: the hidden kind recomputes K/V, the
+int8 kinds dequantise. Each is one figure in one unit, seconds added to a decode step per KV page's
+worth of context (16 tokens, the unit the scheduler counts ``m_i`` in) held in that kind: ``rho`` for
+the hidden kind (its name since the paper), ``kind_costs`` for the others. A kind whose measurement
+failed (the runner cannot run it) is in ``unavailable``: the adaptive policy never offers it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Mapping, Protocol
+
+from apt_serve_ray.request import CacheKind
 
 
 class StepTimeModel(Protocol):
@@ -25,7 +33,40 @@ class StepCosts:
     # rho: extra decode-step seconds of keeping one KV page's worth of context in the hidden kind.
     rho: float | None = None
     step_time: StepTimeModel | None = None
+    # The same for the other compressed kinds (kv-int8, hidden-int8); a kind absent is unknown (0).
+    # Given as a mapping (kind or its name -> seconds); kept as sorted (kind, seconds) pairs, hashable.
+    kind_costs: Mapping | tuple = field(default=())
+    unavailable: frozenset = frozenset()  # kinds the runner could not run at calibration: never offered
 
     def __post_init__(self) -> None:
         if self.rho is not None and (isinstance(self.rho, bool) or not self.rho >= 0):
             raise ValueError(f"rho: must be >= 0 seconds per page, got {self.rho!r}")
+        pairs = dict(self.kind_costs.items() if isinstance(self.kind_costs, Mapping) else self.kind_costs)
+        costs = {}
+        for kind, seconds in pairs.items():
+            try:
+                kind = CacheKind(kind)
+            except ValueError:
+                raise ValueError(f"kind_costs: unknown cache kind {kind!r}") from None
+            if not kind.is_compressed or kind is CacheKind.HIDDEN:
+                raise ValueError(f"kind_costs: {kind.value} has no entry here (kv costs nothing; hidden's is rho)")
+            if isinstance(seconds, bool) or not (isinstance(seconds, (int, float)) and seconds >= 0):
+                raise ValueError(f"kind_costs: {kind.value} must be >= 0 seconds per page, got {seconds!r}")
+            costs[kind] = float(seconds)
+        object.__setattr__(self, "kind_costs", tuple(sorted(costs.items(), key=lambda kv: kv[0].value)))
+        try:
+            object.__setattr__(self, "unavailable", frozenset(CacheKind(k) for k in self.unavailable))
+        except ValueError:
+            raise ValueError(f"unavailable: must hold cache kinds, got {self.unavailable!r}") from None
+
+    def known(self, kind: CacheKind) -> bool:
+        """Whether ``kind``'s per-step cost was given or measured."""
+        if kind is CacheKind.HIDDEN:
+            return self.rho is not None
+        return kind is CacheKind.KV or any(k is kind for k, _ in self.kind_costs)
+
+    def seconds_per_page(self, kind: CacheKind) -> float:
+        """Extra decode-step seconds per KV page's worth of context held in ``kind`` (unknown: 0)."""
+        if kind is CacheKind.HIDDEN:
+            return self.rho or 0.0
+        return dict(self.kind_costs).get(kind, 0.0)
