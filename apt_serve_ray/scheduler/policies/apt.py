@@ -6,25 +6,48 @@ admissible waiting ones), in four stages:
 1. **Price** (``_price``). The value model (``scheduler/value.py``) with the operator's weights. A
    request that has already missed its SLO (late first token, or a gap over its TBT target) no longer
    counts for attainment: it keeps ``fairness_penalty`` of its value, and ``U`` counts the others.
-   Choosing the hidden kind costs ``U * rho * m`` (rho: seconds to recompute one page of K/V per step,
-   m: its pages with a full KV cache), the paper's price. Evicting a running request throws its
-   computed tokens away, priced the same way (U x their recompute time).
+   Every compressed kind k the engine offers now (``ctx.compressed_kinds``: none at ``cache_ratio`` 0)
+   is one more option per request, worth ``v - U * c_k * m * hidden_cost_steps`` (c_k: the measured
+   decode-step seconds per KV page's worth of context held in k, ``StepCosts``; rho for the hidden
+   kind, the paper's price). m is the request's pages *with a full KV cache* for every kind, not its
+   pages in k: what a compressed kind adds to a step grows with the context it holds (tokens to
+   recompute or dequantise), and c_k is measured per KV page of context, so one m keeps every kind on
+   the same scale; the kind's own pages are what it saves, on the knapsack's other axis. Evicting a
+   running request throws its computed tokens away, priced the same way (U x their recompute time).
 2. **Choose** (``_choose``). Running requests that can still pass keep their memory (first
    correction: the paper's value, pending time, is near zero for a request that just got a token,
    so the greedy evicted running requests on every step; each eviction is a recompute and a missed
-   TBT target, and that thrashing lost to FCFS on the simulator and on the engine). They are pinned;
-   the knapsack (``knapsack.greedy_select``, the 2-approximation) chooses, under the remaining pages,
-   among waiting requests and running ones that have already missed, which hold memory and in which
-   kind. As U * rho * m vanishes when U does, the hidden kind is also capped by step time (third
-   correction, ``_cap_hidden``): the predicted decode step with all hidden recompute must stay under
-   the tightest TBT target.
+   TBT target, and that thrashing lost to FCFS on the simulator and on the engine). They are pinned,
+   in the kind they hold; the multiple-choice knapsack (``knapsack.greedy_choice``) chooses, under the
+   remaining pages and under the compressed pages ``cache_ratio`` still allows
+   (``ctx.compressed_pages_left``, less the growth of the pinned compressed ones), among waiting
+   requests and running ones that have already missed, which hold memory and in which kind (at most
+   one each; a running one may keep its kind or go to KV). ``cache_ratio`` is so a ceiling on what
+   admission chooses: a request already running in a compressed kind still grows past it by its next
+   pages. As U * c_k * m vanishes when U does, compressed kinds are also capped by step time (third
+   correction, ``_cap_compressed``): the predicted decode step with every compressed kind's extra
+   time must stay under the tightest TBT target. A kind is offered to new requests only where it can
+   raise throughput at all (``kind_pays_for_throughput``) and the runner could run it at calibration.
 3. **Admit, preempt, upgrade** (``_set_kinds``, ``_run``). Chosen waiting requests are admitted with
-   their kind; unchosen running ones are preempted only when their pages are needed; running hidden
-   requests chosen as KV are upgraded in place, and pinned hidden ones go back to KV while pages allow.
+   their kind; unchosen running ones are preempted only when their pages are needed; running requests
+   of a compressed kind chosen as KV are upgraded in place, and pinned ones go back to KV while pages
+   allow.
 4. **Shape the iteration** (``_shape``). Prefill chunks get as many tokens as keep the predicted step
    under the tightest TBT target of the running requests that can still pass (second correction,
    Sarathi's lesson made SLO-aware); if the summed pending time of the waiting exceeds that of the
    running, prefills are placed first, otherwise decodes (the paper).
+
+**Priority overtakes** (``priority_preemption``, issue 16). Pinning alone kept an important request
+that arrived to a full pool waiting behind unimportant running ones until they finished (interactive
+class, 30% of a ShareGPT-like mix at 1.5x capacity: longest wait 64 s). So a waiting request that
+does not fit may take the pages of pinned running requests of a lower priority (a larger value) when
+it is worth more than they are together, evicting them (``_preempt_for_priority``); and when a running
+request needs pages to grow, the least important go first (``apt_iteration``). Eviction is priced as
+what it costs: a swap out and back where the tier below memory has room, else a recompute. Measured
+(``benchmarks/priority_classes.py``, simulator, 4 GiB tier): interactive / batch attainment at 1x,
+1.5x, 2x capacity 0.91 / 0.92, 0.73 / 0.80, 0.64 / 0.70 (without: 0.64 / 0.96, 0.56 / 0.85, 0.56 /
+0.83); longest interactive wait 2-21 s (was 46-65 s). Without the tier, evictions are recomputes and
+the batch class pays more (0.75, 0.57, 0.60 batch attainment).
 
 **No starvation.** A request that has waited ``max_wait_time`` is protected until it finishes: served
 first, oldest first, outside the knapsack, never a victim. Running KV requests are never switched to
@@ -35,40 +58,28 @@ ahead by the default weights) started at 60.0-60.1 s, ``max_wait_time`` + one st
 fewer than the engine serves; where the backlog older than ``max_wait_time`` keeps growing, they
 are served first-come-first-served and every wait grows with it.
 
-The costs (rho, the step-time model) are injected (``set_costs``), measured by the engine at start.
+The costs (rho and the other kinds' costs, the step-time model) are injected (``set_costs``),
+measured by the engine at start.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-from apt_serve_ray.request import CacheKind, RequestStatus
-from apt_serve_ray.scheduler.candidates import Candidates, WaitingRows
+from apt_serve_ray.scheduler.candidates import KIND_CODE, KINDS, Candidates, WaitingRows
 from apt_serve_ray.scheduler.costs import StepCosts
-from apt_serve_ray.scheduler.knapsack import greedy_select
-from apt_serve_ray.scheduler.policies.base import SchedulingPolicy, run_running
+from apt_serve_ray.scheduler.knapsack import SKIP, greedy_choice
+from apt_serve_ray.scheduler.policies.apt_iteration import IterationShaper, Plan
+from apt_serve_ray.scheduler.policies.base import SchedulingPolicy
 from apt_serve_ray.scheduler.registry import register_policy
 from apt_serve_ray.scheduler.value import FAIRNESS_PENALTY, MAX_WAIT_S, ValueWeights
 
 
-@dataclass
-class _Plan:
-    """What ``_choose`` decided, per candidate row."""
-
-    value: np.ndarray
-    density: np.ndarray
-    forced: np.ndarray  # protected: first, oldest first, never a victim
-    pinned: np.ndarray  # running requests that keep their memory and kind
-    chosen: np.ndarray
-    hidden: np.ndarray  # chosen with the hidden kind
-    order: np.ndarray  # chosen rows: the forced by arrival, then by density
-    spare: int  # pages left after the chosen and one page of growth per running request
+_COMPRESSED = np.array([k.is_compressed for k in KINDS])
 
 
 @register_policy
-class AdaptiveScheduler(SchedulingPolicy):
+class AdaptiveScheduler(IterationShaper, SchedulingPolicy):
     name = "apt"
 
     def __init__(
@@ -76,7 +87,7 @@ class AdaptiveScheduler(SchedulingPolicy):
         slo_weight: float = ValueWeights.slo_weight, priority_weight: float = ValueWeights.priority_weight,
         fairness_penalty: float = FAIRNESS_PENALTY, max_wait_time: float = MAX_WAIT_S,
         *, config=None, rho: float | None = None, step_model=None, tbt_headroom: float = 0.8,
-        hidden_cost_steps: float = 8.0, evict_missed: bool = False,
+        hidden_cost_steps: float = 8.0, evict_missed: bool = False, priority_preemption: bool = True,
     ) -> None:
         super().__init__(config)
         self.weights = ValueWeights(time_weight, memory_weight, slo_weight, priority_weight)
@@ -99,8 +110,23 @@ class AdaptiveScheduler(SchedulingPolicy):
         # (and may be evicted for them), as in the paper; off, they keep running and are only the
         # first victims when a running request needs pages to grow.
         self.evict_missed = bool(evict_missed)
+        # Whether running requests of a lower priority (a larger value) than a waiting one give up
+        # their pin: they compete for memory in the knapsack, priced with what evicting them costs
+        # (a swap out and back where the tier has room, else recomputing their tokens), so an
+        # important request is not stuck behind pinned unimportant ones (issue 16).
+        self.priority_preemption = bool(priority_preemption)
         self._protected: set = set()  # Request objects
         self._waiting_rows = WaitingRows()
+        self._per_page = np.zeros(len(KINDS))  # each kind's seconds per page, read from the costs per decision
+        self._cache, self._free_swap_slots = None, 0  # read per decision: the cache and its tier's room
+        self.predictor = None  # a TrafficPredictor (``enable_prediction``); the engine feeds it arrivals
+
+    def enable_prediction(self, predictor) -> None:
+        """Attach a ``TrafficPredictor`` (the seed's ``scheduler.enable_prediction(predictor)``): the
+        engine running this policy feeds it every arrival (``LLMEngine.add_request``), so its forecast
+        (``predictor.forecast(horizon_s)``) follows this engine's traffic. The value model does not
+        read it yet: a hook for reserving pages for expected arrivals, left until measured to help."""
+        self.predictor = predictor
 
     @property
     def rho(self) -> float:
@@ -117,54 +143,125 @@ class AdaptiveScheduler(SchedulingPolicy):
                                   with_importance=bool(w.priority_weight))
         if cands is None:
             return
-        value, recompute_cost = self._price(cands)
-        plan = self._choose(ctx, cands, value, recompute_cost)
+        self._per_page = np.array([self.costs.seconds_per_page(k) for k in KINDS])  # KV: 0
+        self._cache, self._free_swap_slots = ctx.cache, ctx.num_free_swap_slots
+        value, kind_weight = self._price(cands)
+        plan = self._choose(ctx, cands, value, kind_weight, self.offered_kinds(ctx))
         self._set_kinds(ctx, cands, plan)
         self._shape(ctx, cands, plan)
 
+    def offered_kinds(self, ctx) -> list[int]:
+        """Indices in KINDS of the compressed kinds new requests may get now: those the engine offers
+        under ``cache_ratio``, the runner could run at calibration, and that can raise throughput."""
+        kinds, unavailable = ctx.compressed_kinds, self.costs.unavailable
+        if not kinds:
+            return []
+        pool_pages, layout = ctx.cache.pool.num_pages, ctx.cache.layout
+        return [KIND_CODE[k] for k in kinds if k not in unavailable and self.kind_pays_for_throughput(
+            pool_pages, layout.block_size / max(1, layout.tokens_per_page(k)), self.costs.seconds_per_page(k))]
+
     def _price(self, c: Candidates) -> tuple[np.ndarray, np.ndarray]:
-        """Each candidate's value, and what choosing the hidden kind for it would cost."""
+        """Each candidate's value, and ``U * m * hidden_cost_steps``: times a kind's seconds per page, what
+        choosing that kind for it costs (its value in kind k is ``value - self._per_page[k] * that``)."""
         value = self.weights.value(c.pending_s, c.urgency, c.importance, missed=c.missed,
                                    fairness_penalty=self.fairness_penalty)
         u = int((~c.missed).sum())
-        recompute_cost = u * self.rho * c.mem_kv * self.hidden_cost_steps
         if c.num_running and self.step_model is not None:
-            # Evicting a running request throws its computed tokens away: recomputing them delays
-            # the U requests that can still pass, priced like the hidden kind's recompute (U x time).
-            value[:c.num_running] += u * self._prefill_token_s() * c.num_computed[:c.num_running].astype(np.float64)
-        return value, recompute_cost
+            # Evicting a running request delays the U requests that can still pass by what it costs:
+            # recomputing its tokens, or moving its pages out and back where the tier below memory
+            # has room (and that is cheaper), priced like the hidden kind's recompute (U x time).
+            n_run = c.num_running
+            evict_s = self._prefill_token_s() * c.num_computed[:n_run].astype(np.float64)
+            transfer = getattr(getattr(self._cache, "swap", None), "transfer", None)
+            if transfer is not None and self._free_swap_slots:
+                swap_s = np.array([transfer.seconds(int(m)) for m in c.num_held[:n_run]])
+                evict_s = np.where(c.num_held[:n_run] <= self._free_swap_slots, np.minimum(evict_s, swap_s), evict_s)
+            value[:n_run] += u * evict_s
+        return value, (u * self.hidden_cost_steps) * c.mem_kv
 
-    def _choose(self, ctx, c: Candidates, value: np.ndarray, recompute_cost: np.ndarray) -> _Plan:
+    def _choose(self, ctx, c: Candidates, value: np.ndarray, kind_weight: np.ndarray, offered: list[int]) -> Plan:
         n, n_run = c.num, c.num_running
         forced = self._forced(ctx, c)
         pinned = np.zeros(n, dtype=bool)
         pinned[:n_run] = ~forced[:n_run] & (~c.missed[:n_run] if self.evict_missed else True)
         # Memory the pinned and forced take first, in their current kind (KV for new forced ones).
         first = forced | pinned
-        first_mem = np.where(c.is_hidden, c.mem_hidden, c.mem_kv)
+        first_mem = c.mem_held
         # One page of growth is reserved per running request, so admissions do not force memory
         # preemptions a few steps later (measured: 47 -> 14 preemptions, ShareGPT 4 req/s, simulated).
         capacity = ctx.num_free_pages + int(c.num_held[:n_run].sum()) - int(first_mem[first].sum()) - n_run
-        hidden_ok = np.zeros(n, dtype=bool)
-        if ctx.hidden_allowed:
-            hidden_ok[:n_run] = c.is_hidden[:n_run]
-            # New requests get the hidden kind only where it can raise throughput (see the method).
-            hidden_ok[n_run:] = self.hidden_pays_for_throughput(ctx.cache.pool.num_pages,
-                                                                ctx.cache.layout.hidden_ratio)
         rest = np.flatnonzero(~first)
-        sel = greedy_select(value[rest], recompute_cost[rest], c.mem_kv[rest], c.mem_hidden[rest], hidden_ok[rest],
-                            max(0, capacity), memory_weight=self.weights.memory_weight)
-        chosen, hidden = first.copy(), c.is_hidden & first
-        chosen[rest], hidden[rest] = sel.chosen, sel.hidden
+        held = c.held[rest]
+        comp_rest = held > 0
+        # Options (columns): KV for every row; each offered kind for waiting rows; for running rows in
+        # the knapsack, the kind they hold too (stay, or upgrade to KV). Only kinds in use get a column.
+        kinds = [0] + sorted(set(offered).union(held[comp_rest].tolist()))
+        allowed = np.zeros((rest.size, len(kinds)), dtype=bool)
+        allowed[:, 0] = True
+        is_waiting = rest >= n_run
+        for j, k in enumerate(kinds[1:], 1):
+            allowed[:, j] = (held == k) | (is_waiting if k in offered else False)
+        values = value[rest, None] - kind_weight[rest, None] * self._per_page[kinds][None, :]
+        # The ceiling: what compressed kinds may still take, plus what the rows in the knapsack hold
+        # now (they are chosen again), less the growth of the first ones that hold compressed pages.
+        comp_first = np.flatnonzero(first & c.is_compressed)
+        limit = (ctx.compressed_pages_left + int(c.num_held[rest[comp_rest]].sum())
+                 - int((first_mem[comp_first] - c.num_held[comp_first]).sum()))
+        choice = greedy_choice(values, c.mem[kinds][:, rest].T, allowed, max(0, capacity),
+                               compressed=_COMPRESSED[kinds], compressed_limit=max(0, limit),
+                               memory_weight=self.weights.memory_weight)
+        chosen = first.copy()
+        kind = np.where(first, np.maximum(c.held, 0), SKIP)
+        chosen[rest] = choice.option >= 0
+        kind[rest] = np.where(chosen[rest], np.asarray(kinds)[np.maximum(choice.option, 0)], SKIP)
         density = self.weights.density(value, c.mem_kv)
         forced_idx = np.flatnonzero(forced)
         forced_idx = forced_idx[np.argsort(c.arrival[forced_idx], kind="stable")]
         others = np.flatnonzero(chosen & ~forced)
         order = np.concatenate((forced_idx, others[np.argsort(-density[others], kind="stable")]))
-        plan = _Plan(value, density, forced, pinned, chosen, hidden, order, capacity - sel.pages)
-        if hidden[n_run:].any():
-            self._cap_hidden(c, plan)
+        plan = Plan(value, density, forced, pinned, chosen, kind, order, capacity - choice.pages)
+        if (kind[n_run:] > 0).any():
+            self._cap_compressed(c, plan)
+        if self.priority_preemption and n > n_run and c.priority is not None:
+            self._preempt_for_priority(c, plan)
         return plan
+
+    def _preempt_for_priority(self, c: Candidates, plan: Plan) -> None:
+        """Let a waiting request that does not fit take the pages of pinned running requests of a
+        lower priority (a larger value), when it is worth more than they are together (their values
+        include what evicting them costs: ``_price``). Waiting requests in density order; victims of
+        the lowest priority first, then the lowest density; never the protected, never one of the same
+        or a higher priority (so requests of one class never evict each other: no thrashing). The
+        victims become unchosen, the first ones ``_run`` evicts for a waiting request."""
+        n_run, prio, value = c.num_running, c.priority, plan.value
+        waiting = np.flatnonzero(~plan.chosen[n_run:]) + n_run
+        running = np.flatnonzero(plan.pinned[:n_run] & plan.chosen[:n_run])
+        if not waiting.size or not running.size or prio[waiting].min() >= prio[running].max():
+            return
+        victims = running[np.lexsort((plan.density[running], -prio[running]))].tolist()
+        changed = False
+        for i in waiting[np.argsort(-plan.density[waiting], kind="stable")].tolist():
+            short = int(c.mem_kv[i]) - plan.spare
+            pick, freed, lost = [], 0, 0.0
+            for v in victims:
+                if short <= freed or prio[v] <= prio[i]:
+                    break
+                pick.append(v)
+                freed += int(c.num_held[v]) + 1  # its pages and its page of growth
+                lost += value[v]
+            if short > freed or (pick and lost >= value[i]):
+                continue
+            for v in pick:
+                victims.remove(v)
+                plan.pinned[v] = plan.chosen[v] = False
+                plan.kind[v] = SKIP
+            plan.chosen[i], plan.kind[i] = True, 0
+            plan.spare += freed - int(c.mem_kv[i])
+            changed = True
+        if changed:
+            forced_idx = plan.order[plan.forced[plan.order]]
+            others = np.flatnonzero(plan.chosen & ~plan.forced)
+            plan.order = np.concatenate((forced_idx, others[np.argsort(-plan.density[others], kind="stable")]))
 
     def _forced(self, ctx, c: Candidates) -> np.ndarray:
         """Rows protected from starvation: waited ``max_wait_time`` once, protected until finished."""
@@ -176,162 +273,90 @@ class AdaptiveScheduler(SchedulingPolicy):
             return np.zeros(c.num, dtype=bool)
         return np.fromiter(map(self._protected.__contains__, c.requests), dtype=bool, count=c.num)
 
-    def hidden_pays_for_throughput(self, num_pages: int, hidden_ratio: float) -> bool:
-        """Whether filling memory with hidden requests raises decode throughput at all.
+    def kind_pays_for_throughput(self, num_pages: int, page_ratio: float, per_page: float) -> bool:
+        """Whether filling memory with requests of a compressed kind raises decode throughput at all.
 
-        With the pool full, N requests of which x are hidden (page share ``h`` of KV): every request
-        beyond the KV capacity K needs ``1 / (1 - h)`` conversions to hidden, so the step is
-        ``T(N) = a + beta N + r L (N - K) / (1 - h)`` (a: the fixed step cost, beta: per request,
-        r: the hidden kind's extra seconds per context token, L: context per request). Tokens per
-        second N / T(N) grow with N exactly when ``a > r * K * L / (1 - h)``, whatever N is: the
-        fixed cost a step amortises must exceed the recompute of the KV capacity's worth of tokens
-        held hidden. On a GPU decode is memory-bound and ``a`` (reading the weights) dominates; on a
-        CPU the recompute usually does (measured, OPT-125m on 2 cores: a = 3-4 ms, r = 2 us/token,
-        6,048-token pool: 25 ms), and a pool full of hidden requests ran 0.65x KV's tokens per second.
-        With ``num_pages`` KV pages, ``r * K * L`` is ``rho * num_pages`` (rho: seconds per page).
+        With the pool full, N requests of which x hold the kind (``page_ratio`` h: its pages per KV
+        page for the same tokens): every request beyond the KV capacity K needs ``1 / (1 - h)``
+        conversions, so the step is ``T(N) = a + beta N + r L (N - K) / (1 - h)`` (a: the fixed step
+        cost, beta: per request, r: the kind's extra seconds per context token, L: context per
+        request). Tokens per second N / T(N) grow with N exactly when ``a > r * K * L / (1 - h)``,
+        whatever N is: the fixed cost a step amortises must exceed the extra time of the KV capacity's
+        worth of tokens held in the kind. On a GPU decode is memory-bound and ``a`` (reading the
+        weights) dominates; on a CPU the hidden kind's recompute usually does (OPT-125m, 2 cores: a =
+        3-4 ms, r = 2 us/token, 6,048-token pool: 25 ms; a pool of hidden requests ran 0.65x KV's
+        tokens per second), while int8 dequantisation may cost little enough. ``r * K * L`` is
+        ``per_page * num_pages`` (seconds per KV page of context, KV pages). h >= 1 (no saving):
+        never pays unless free.
         """
-        if self.step_model is None or not self.rho:
+        if self.step_model is None or not per_page:
             return True
         fixed = self.step_model.predict(1, 1)
-        return fixed > self.rho * num_pages / max(1e-9, 1.0 - hidden_ratio)
+        return fixed > per_page * num_pages / max(1e-9, 1.0 - page_ratio)
 
-    def _cap_hidden(self, c: Candidates, plan: _Plan) -> None:
-        """Admit a waiting request as hidden only where it keeps the step under the TBT target.
+    def hidden_pays_for_throughput(self, num_pages: int, hidden_ratio: float) -> bool:
+        """``kind_pays_for_throughput`` for the hidden kind (rho; ``hidden_ratio``: layout.hidden_ratio)."""
+        return self.kind_pays_for_throughput(num_pages, hidden_ratio, self.rho)
 
-        Recomputing K/V for a hidden request lengthens every later step, for every request in the
-        batch, while it stays hidden. The knapsack prices that as ``U * rho * m``, which is 0 when U
-        is 0 (under overload every running request may have missed): then every waiting request went
-        hidden, the steps grew by ``rho * m`` each, and the server could not recover (measured through
-        Ray Serve on OPT-125m / CPU: 82% of the replica's time in the K/V projection and attainment
-        falling to 28% at a load vLLM held at 100%). So, in the order of choice, a waiting request
-        keeps the hidden kind only while the predicted decode step with all hidden recompute stays
-        under ``tbt_headroom`` x the tightest TBT target among the running and the chosen; otherwise
-        it takes KV pages if the spare pages allow, or waits (dropped from the plan).
-        (Where the hidden kind cannot raise throughput at all, the knapsack is not offered it:
-        ``hidden_pays_for_throughput``.)
+    def _held_extra_s(self, c: Candidates, rows) -> float:
+        """Predicted extra seconds of a decode step from ``rows`` holding int8 kinds (the hidden kind's
+        recompute is in the step-time model's own hidden term)."""
+        held = c.held[rows]
+        int8 = held > 1
+        return float((self._per_page[held[int8]] * c.mem_kv[rows][int8]).sum()) if int8.any() else 0.0
+
+    def _cap_compressed(self, c: Candidates, plan: Plan) -> None:
+        """Admit a waiting request in a compressed kind only where it keeps the step under the TBT target.
+
+        A compressed request lengthens every later step (recompute for the hidden kinds, dequantisation
+        for the int8 ones), for every request in the batch, while it holds the kind. The knapsack prices
+        that as ``U * c_k * m``, which is 0 when U is 0 (under overload every running request may have
+        missed): then every waiting request went hidden, the steps grew by ``rho * m`` each, and the
+        server could not recover (measured through Ray Serve on OPT-125m / CPU: 82% of the replica's
+        time in the K/V projection and attainment falling to 28% at a load vLLM held at 100%). So, in
+        the order of choice, a waiting request keeps its compressed kind only while the predicted decode
+        step with every compressed kind's extra time stays under ``tbt_headroom`` x the tightest TBT
+        target among the running and the chosen; otherwise it takes KV pages if the spare pages allow,
+        or waits (dropped from the plan). (Where a kind cannot raise throughput at all, the knapsack is
+        not offered it: ``kind_pays_for_throughput``.)
         """
-        per_page = self.rho
-        if self.step_model is None or not per_page:
+        if self.step_model is None or not self._per_page.any():
             return
-        order, hidden, need = plan.order, plan.hidden, c.need
+        order, kind, need = plan.order, plan.kind, c.need
         target = self.tbt_headroom * float(c.tbt_slo_ms[order].min()) / 1000.0
         decodes = c.is_decoding
         base = self.step_model.predict(int(decodes.sum()), int(need[decodes].sum()),
                                        int(need[decodes & c.is_hidden].sum()))
+        base += self._held_extra_s(c, np.flatnonzero(decodes))
         headroom, spare, dropped = target - base, plan.spare, []
-        for i in order[(order >= c.num_running) & hidden[order]].tolist():
-            cost = per_page * c.mem_kv[i]
+        for i in order[(order >= c.num_running) & (kind[order] > 0)].tolist():
+            k = kind[i]
+            cost = self._per_page[k] * c.mem_kv[i]
+            extra = c.mem_kv[i] - c.mem[k, i]
             if cost <= headroom:
                 headroom -= cost
-            elif spare >= c.mem_kv[i] - c.mem_hidden[i]:
-                spare -= c.mem_kv[i] - c.mem_hidden[i]
-                hidden[i] = False
+            elif spare >= extra:
+                spare -= extra
+                kind[i] = 0
             else:
-                hidden[i] = False
+                kind[i] = SKIP
                 dropped.append(i)
         plan.spare = spare
         if dropped:
             plan.chosen[dropped] = False
             plan.order = order[plan.chosen[order]]
 
-    def _set_kinds(self, ctx, c: Candidates, plan: _Plan) -> None:
-        """Upgrades in place: running hidden requests the knapsack wants as KV, then (hidden is a remedy
-        for memory pressure, not a state) pinned hidden ones while the spare pages allow, largest
-        context first (it costs the most per step)."""
-        order, hidden, first = plan.order, plan.hidden, plan.forced | plan.pinned
+    def _set_kinds(self, ctx, c: Candidates, plan: Plan) -> None:
+        """Upgrades in place: running requests of a compressed kind the knapsack wants as KV, then (a
+        compressed kind is a remedy for memory pressure, not a state) pinned ones while the spare pages
+        allow, largest context first (it costs the most per step)."""
+        order, kind, first = plan.order, plan.kind, plan.forced | plan.pinned
         rows = order[order < c.num_running]
-        for i in rows[c.is_hidden[rows] & ~hidden[rows] & ~first[rows]].tolist():
+        for i in rows[c.is_compressed[rows] & (kind[rows] == 0) & ~first[rows]].tolist():
             ctx.upgrade(c.requests[i])
-        back = np.flatnonzero(plan.pinned & c.is_hidden)
+        back = np.flatnonzero(plan.pinned & c.is_compressed)
+        held = c.mem_held
         for i in back[np.argsort(-c.need[back], kind="stable")].tolist():
             if plan.spare >= c.mem_kv[i] and ctx.upgrade(c.requests[i]):
-                plan.spare -= c.mem_kv[i] - c.mem_hidden[i]
-                hidden[i] = False
-
-    def _shape(self, ctx, c: Candidates, plan: _Plan) -> None:
-        """Run the chosen: decodes and prefills in the paper's order, prefills under the step-time budget."""
-        n_run, order = c.num_running, plan.order
-        is_decode = c.is_decoding[order]
-        decodes, prefills = order[is_decode].tolist(), order[~is_decode].tolist()
-        # Victims when pages run short: unchosen first, then (only for running requests' growth) those
-        # that already missed, then the rest; lowest density first; never the protected.
-        running = np.flatnonzero(~plan.forced[:n_run])
-        victims = running[np.lexsort((plan.density[running], ~c.missed[running], plan.chosen[running]))].tolist()
-        unchosen = np.flatnonzero(~plan.chosen[:n_run]).tolist()
-        evictable = set(unchosen)
-        prefill_budget = self._prefill_budget(ctx, c, decodes)
-        if c.pending_s[n_run:].sum() > c.pending_s[:n_run].sum():
-            self._run(ctx, c, plan.hidden, prefills, prefill_budget, victims, evictable)
-            self._run(ctx, c, plan.hidden, decodes, ctx.token_budget, victims, evictable)
-        else:
-            self._run(ctx, c, plan.hidden, decodes, ctx.token_budget, victims, evictable)
-            self._run(ctx, c, plan.hidden, prefills, prefill_budget, victims, evictable)
-        # Unchosen running requests still holding pages keep decoding while the budget lasts.
-        self._run(ctx, c, plan.hidden, unchosen, ctx.token_budget, [], set())
-        if ctx.num_scheduled == 0 and ctx.running:
-            # Liveness: page estimates can be off by rounding; never let a step schedule nothing
-            # while requests hold memory. Fall back to preempting the lowest-value running request.
-            rank = {id(c.requests[i]): plan.density[i] for i in range(n_run)}
-            key = lambda r: (r not in self._protected, -rank.get(id(r), 0.0))  # noqa: E731
-            run_running(ctx, sorted(ctx.running, key=key), victim_key=key, chunked=True)
-
-    def _prefill_token_s(self) -> float:
-        return max(self.step_model.predict(1, 1) - self.step_model.predict(0, 0), 1e-9)
-
-    def _prefill_budget(self, ctx, c: Candidates, decodes: list[int]) -> int:
-        """Prefill tokens that keep the step under the tightest TBT target of the decodes that can still
-        pass (at least one page's worth, so prefills always progress)."""
-        budget = ctx.token_budget
-        if self.step_model is None:
-            return budget
-        live = [i for i in decodes if not c.missed[i]]
-        if not live:
-            return budget
-        target = self.tbt_headroom * float(c.tbt_slo_ms[live].min()) / 1000.0
-        ctx_tokens = c.num_tokens[decodes]
-        base = self.step_model.predict(len(decodes), int(ctx_tokens.sum()),
-                                       int(ctx_tokens[c.is_hidden[decodes]].sum()))
-        room = int((target - base) / self._prefill_token_s())
-        # Leave one token per decode: prefill-first steps must not make every decode skip the step.
-        return max(1, min(max(ctx.cache.layout.block_size, min(budget, room)), budget - len(decodes)))
-
-    def _run(self, ctx, c: Candidates, hidden: np.ndarray, rows: list[int], budget: int, victims: list[int],
-             evictable: set[int]) -> None:
-        """Schedule ``rows`` in order while ``budget`` tokens last; when pages are short, preempt
-        ``victims`` in order (for a waiting request, only the ``evictable`` ones)."""
-        requests, n_run = c.requests, c.num_running
-        for i in rows:
-            if budget <= 0 or ctx.num_seqs_left <= 0:
-                return  # neither comes back within this loop: nothing later could run
-            r = requests[i]
-            if r.is_finished or ctx.is_scheduled(r):
-                continue
-            if r.status is RequestStatus.WAITING and (i < n_run or not ctx.can_admit(r)):
-                continue  # preempted during this decision, or admission closed
-            n = min(r.num_tokens_to_compute, budget, ctx.token_budget)
-            if n <= 0:
-                continue
-            kind = None
-            if r.kind is None:
-                kind = CacheKind.HIDDEN if hidden[i] and ctx.hidden_allowed else CacheKind.KV
-            while not ctx.schedule(r, n, kind):
-                victim = self._next_victim(requests, victims, r, None if i < n_run else evictable)
-                if victim is None or ctx.cache.can_allocate(r, r.num_computed_tokens + n, kind):
-                    break
-                victims.remove(victim)
-                ctx.preempt(requests[victim], cause="policy" if i >= n_run else "memory")
-            else:
-                budget -= n
-
-    @staticmethod
-    def _next_victim(requests, victims: list[int], r, evictable: set[int] | None) -> int | None:
-        """The first running victim other than ``r`` (among ``evictable`` only, unless None). The
-        evictable ones, the unchosen, lead the list (``_shape`` sorts them first), so the search for a
-        waiting request stops where they end: scanning every victim for every waiting request that
-        does not fit was quadratic (0.9 s of a 6,400-candidate decision)."""
-        for v in victims:
-            if evictable is not None and v not in evictable:
-                return None
-            if requests[v].status is RequestStatus.RUNNING and requests[v] is not r:
-                return v
-        return None
+                plan.spare -= c.mem_kv[i] - held[i]
+                kind[i] = 0
