@@ -51,8 +51,9 @@ class EngineConfig:
     cache_kinds: tuple[str, ...] = ("hidden",)
     # A tier below memory for preempted requests' pages (GiB; vLLM's swap_space): host memory when the
     # engine runs on a GPU, a memory-mapped file in ``swap_dir`` (default: the temp dir) on CPU.
-    # 0: no tier, preempted requests are recomputed.
-    swap_space: float = 0.0
+    # 0: no tier, preempted requests are recomputed. Measured on CPU: a page out and back in ~0.1 ms
+    # against 8-16 ms to recompute it; what lets ``apt`` evict unimportant requests for important ones.
+    swap_space: float = 4.0
     swap_dir: str | None = None
     # The hybrid cache on/off. Off: KV pages only, whatever the policy (the "apt with the hybrid cache
     # off" baseline). On, it is used where a hidden page saves memory (MHA) or when force_hidden.
@@ -61,7 +62,7 @@ class EngineConfig:
     # Batching.
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    policy: str = "sarathi"
+    policy: str = "apt"
     policy_options: dict | None = None  # keyword arguments of the policy, e.g. AdaptiveScheduler's weights
     # Per-request defaults (SLOs in milliseconds; lower priority value = served earlier, as in vLLM).
     default_ttft_slo_ms: float = 10_000.0

@@ -66,7 +66,8 @@ STORED_RHO = 5.31e-05  # seconds per 16-token page per step
 DEFAULT_CLASSES = ("interactive:0.3:1000:100:0", "batch:0.7:30000:1000:10")
 POLICIES = ("apt", "apt-1100", "priority", "sarathi", "fcfs")
 WEIGHT_KEYS = {"time": "time_weight", "memory": "memory_weight", "slo": "slo_weight", "priority": "priority_weight",
-               "fairness": "fairness_penalty", "max_wait": "max_wait_time"}
+               "fairness": "fairness_penalty", "max_wait": "max_wait_time",
+               "priority_preemption": "priority_preemption"}
 PROBE_RATES = {"sharegpt": (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0), "longbench": (0.1, 0.2, 0.3, 0.4, 0.6, 0.8, 1.2)}
 
 
@@ -101,7 +102,7 @@ def policy_options(name: str, args) -> dict | None:
 def run_simulated(name: str, trace, args, cost: CostModel, rho: float):
     options = policy_options(name, args)
     config = EngineConfig(policy="apt" if options is not None else name, policy_options=options,
-                          calibrate_rho=False, enable_watermarks=False, cache_ratio=0.0,
+                          calibrate_rho=False, enable_watermarks=False, cache_ratio=0.0, swap_space=args.swap_space,
                           max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
     policy = None if options is None else AdaptiveScheduler(**options, config=config, rho=rho, step_model=cost)
     sim = SimulatedEngine(config, layout=MHA_LAYOUT, num_pages=args.num_pages, cost=cost, policy=policy,
@@ -323,6 +324,8 @@ def main(argv=None) -> int:
     p.add_argument("--num-requests", type=int, default=150)
     p.add_argument("--max-output-len", type=int, default=None)
     p.add_argument("--num-pages", type=int, default=378)
+    p.add_argument("--swap-space", type=float, default=EngineConfig.swap_space,
+                   help="GiB of the tier below memory (0: no tier, preemptions recompute; default: the engine's)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=2048)

@@ -1,4 +1,8 @@
-"""The hybrid cache: hidden pages beside KV pages, exact attention over both, kind changes, capacity."""
+"""The hybrid cache: hidden pages beside KV pages, exact attention over both, kind changes, capacity.
+
+The engines here run ``sarathi``, which tracks ``cache_ratio`` (new requests hidden while the share is
+under it), so a ratio decides the kinds; ``apt`` (the default) chooses kinds by value under the ratio
+(tests/test_cache_ratio_control.py, tests/test_cache_kinds_policy.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ def _prompts(n, seed=0, lo=5, hi=200):
 
 
 def _run(path, ratio, prompts, force=False, **kw):
-    llm = HybridCacheLLM(path, dtype="float32", num_pages=400, cache_ratio=ratio, force_hidden=force,
+    llm = HybridCacheLLM(path, dtype="float32", num_pages=400, cache_ratio=ratio, force_hidden=force, policy="sarathi",
                          enable_watermarks=False, max_num_batched_tokens=64, **kw)
     outs = llm.generate(prompts, PARAMS)
     pool = llm.llm_engine.cache.pool
@@ -77,7 +81,8 @@ def test_forced_hidden_smollm2_matches_kv(smollm2):
 def test_mixed_batches_match_each_request_alone(opt_tiny):
     prompts = _prompts(8, seed=2, lo=3, hi=150)
     alone = [_run(opt_tiny, 1.0 if i % 2 else 0.0, [p])[0] for i, p in enumerate(prompts)]
-    llm = LLM(opt_tiny, dtype="float32", num_pages=400, cache_ratio=0.5, enable_watermarks=False, max_num_batched_tokens=48)
+    llm = LLM(opt_tiny, dtype="float32", num_pages=400, cache_ratio=0.5, enable_watermarks=False, max_num_batched_tokens=48,
+              policy="sarathi")
     llm.set_scheduler(_PinnedKinds())
     engine = llm.llm_engine
     kinds, results, mixed_steps = {}, {}, 0
@@ -121,7 +126,8 @@ def test_in_place_upgrade_mid_generation_continues_identically(checkpoint, shape
     path = checkpoint(shape)
     prompts = _prompts(4, seed=3, lo=20, hi=120)
     never = _run(path, 1.0, prompts)
-    llm = LLM(path, dtype="float32", num_pages=400, cache_ratio=1.0, enable_watermarks=False, max_num_batched_tokens=64)
+    llm = LLM(path, dtype="float32", num_pages=400, cache_ratio=1.0, enable_watermarks=False, max_num_batched_tokens=64,
+              policy="sarathi")
     llm.set_scheduler(_UpgradeAt(at=7))
     upgraded = llm.generate(prompts, PARAMS)
     assert all(o.metrics.num_upgrades == 1 and o.metrics.cache_kind == "kv" for o in upgraded)
@@ -131,7 +137,7 @@ def test_in_place_upgrade_mid_generation_continues_identically(checkpoint, shape
 
 def test_all_hidden_admits_twice_the_tokens_of_all_kv(opt_tiny, checkpoint):
     def fill(ratio, path=opt_tiny, force=False):
-        llm = LLM(path, dtype="float32", num_pages=40, cache_ratio=ratio, force_hidden=force,
+        llm = LLM(path, dtype="float32", num_pages=40, cache_ratio=ratio, force_hidden=force, policy="sarathi",
                   enable_watermarks=False, max_num_batched_tokens=4096, max_num_seqs=256)
         engine = llm.llm_engine
         for p in _prompts(100, seed=4, lo=64, hi=65):
@@ -152,12 +158,12 @@ def test_all_hidden_admits_twice_the_tokens_of_all_kv(opt_tiny, checkpoint):
 
 def test_gqa_model_never_uses_hidden_unless_forced(checkpoint):
     path = checkpoint("llama-tiny-gqa")
-    llm = LLM(path, dtype="float32", num_pages=100, cache_ratio=1.0)
+    llm = LLM(path, dtype="float32", num_pages=100, cache_ratio=1.0, policy="sarathi")
     out = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=3))
     stats = llm.cache_stats()
     assert stats.hidden_supported is False and stats.cache_ratio == 0.0
     assert out[0].metrics.cache_kind == "kv"
-    forced = LLM(path, dtype="float32", num_pages=100, cache_ratio=1.0, force_hidden=True)
+    forced = LLM(path, dtype="float32", num_pages=100, cache_ratio=1.0, force_hidden=True, policy="sarathi")
     assert forced.generate(["hello"], SamplingParams(temperature=0, max_tokens=3))[0].metrics.cache_kind == "hidden"
 
 
@@ -184,7 +190,7 @@ def test_hybrid_cache_switched_off_uses_kv_pages_only(opt_tiny, policy):
 
 
 def test_pool_integrity_after_mixed_workload_with_aborts(opt_tiny):
-    llm = LLM(opt_tiny, dtype="float32", num_pages=30, cache_ratio=0.5, max_num_batched_tokens=64)
+    llm = LLM(opt_tiny, dtype="float32", num_pages=30, cache_ratio=0.5, max_num_batched_tokens=64, policy="sarathi")
     engine = llm.llm_engine
     rng = random.Random(5)
     ids = []
@@ -203,7 +209,7 @@ def test_pool_integrity_after_mixed_workload_with_aborts(opt_tiny):
 
 
 def test_cache_stats_and_runtime_ratio(opt_tiny):
-    llm = HybridCacheLLM(opt_tiny, dtype="float32", num_pages=50, cache_ratio=0.3)
+    llm = HybridCacheLLM(opt_tiny, dtype="float32", num_pages=50, cache_ratio=0.3, policy="sarathi")
     s = llm.cache_stats()
     assert s.cache_ratio == 0.3 and s.hidden_supported
     assert s.hidden_bytes_per_token * 2 == s.kv_bytes_per_token

@@ -139,3 +139,38 @@ def test_sustained_important_load_pushes_a_batch_request_back_no_longer_than_max
     # Control: without the bound the same load holds them back until it stops.
     starved, _, _ = _sustained_overload(1e9, batch_priority=100)
     assert starved.min() > MAX_WAIT_S
+
+
+def _full_pool_then_important(priority_preemption: bool, swap_space: float, important_priority: int = 0):
+    """Four priority-10 requests that fill a 40-page pool (128 + 32 output tokens each: 10 pages), then
+    one more request at ``important_priority``. Returns (its wait to first token, the preempted ones)."""
+    config = EngineConfig(policy="apt", calibrate_rho=False, enable_watermarks=False, swap_space=swap_space,
+                          max_num_batched_tokens=512)
+    sim = SimulatedEngine(config, num_pages=40, policy=AdaptiveScheduler(
+        config=config, rho=0.0, priority_preemption=priority_preemption), cost=CostModel(base_s=0.02, per_token_s=0.0002))
+    batch = [sim.add(128, 32, priority=10, ttft_slo_ms=30_000, tbt_slo_ms=1000) for _ in range(4)]
+    for _ in range(4):
+        sim.step()
+    assert all(r.first_token_time is not None for r in batch) and sim.cache.pool.num_free_pages < 10
+    important = sim.add(128, 8, priority=important_priority, ttft_slo_ms=1000, tbt_slo_ms=100)
+    preempted = []
+    while important.first_token_time is None:
+        preempted += sim.step().preempted
+    sim.run_until_idle()
+    assert len(sim.finished) == 5 and sim.cache.pool.num_free_pages == 40
+    sim.llm_engine.check_integrity()
+    return important.first_token_time - important.arrival_time, preempted
+
+
+def test_an_important_request_evicts_unimportant_running_ones_instead_of_waiting_for_them():
+    waited, preempted = _full_pool_then_important(True, swap_space=0.001)
+    assert preempted and all(r.priority == 10 for r in preempted)
+    assert waited < 0.2  # a step or two
+    # Without priority preemption it waits for a running request to finish (32 decode steps).
+    waited_off, preempted_off = _full_pool_then_important(False, swap_space=0.001)
+    assert not preempted_off and waited_off > 5 * waited
+
+
+def test_requests_of_one_priority_never_evict_each_other():
+    _, preempted = _full_pool_then_important(True, swap_space=0.001, important_priority=10)
+    assert not preempted

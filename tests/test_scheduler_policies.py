@@ -29,7 +29,7 @@ def test_registry_lists_the_policies_and_names_valid_ones_on_error():
 
 
 def test_fcfs_preempts_the_newest_running_request():
-    sim = _engine("fcfs", num_pages=4)
+    sim = _engine("fcfs", num_pages=4, swap_space=0)  # no tier: the preempted request is recomputed
     a, b, c = (sim.add(16, 10) for _ in range(3))
     sim.now += 0.001
     sim.step()  # prefill all three: one page each, 1 page left
@@ -86,8 +86,9 @@ def test_apt_prefers_the_request_whose_slo_is_still_reachable():
 
 
 def test_apt_uses_hidden_pages_under_pressure_on_mha_only():
+    # cache_ratio 1: the ceiling does not bind (at 0, apt takes no compressed page: test_cache_kinds_policy.py)
     for layout, expect_hidden in ((MHA_LAYOUT, True), (GQA_LAYOUT, False)):
-        sim = _engine("apt", num_pages=30, layout=layout, max_num_batched_tokens=4096)
+        sim = _engine("apt", num_pages=30, layout=layout, max_num_batched_tokens=4096, cache_ratio=1.0)
         sim.scheduler.policy.set_costs(StepCosts(rho=1e-6))  # cheap recompute: hidden pays when memory binds
         for _ in range(12):
             sim.add(60, 30)
@@ -102,7 +103,7 @@ def test_apt_uses_hidden_pages_under_pressure_on_mha_only():
 
 
 def test_apt_expensive_recompute_keeps_kv():
-    sim = _engine("apt", num_pages=30, max_num_batched_tokens=4096)
+    sim = _engine("apt", num_pages=30, max_num_batched_tokens=4096, cache_ratio=1.0)  # no ceiling: the price decides
     sim.scheduler.policy.set_costs(StepCosts(rho=10.0))  # a page of recompute costs more than any wait
     for _ in range(12):
         sim.add(60, 30)
@@ -236,7 +237,8 @@ def _hidden_recompute_per_step(tbt_slo_ms: float, base_s: float = 0.1,
     """Overload where every request has missed its TTFT (U = 0: the paper's hidden price is 0). The
     default costs are GPU-like: a large fixed step cost, so the hidden kind pays for throughput."""
     cost = CostModel(base_s=base_s, per_token_s=0.0005, per_context_s=0.0, hidden_context_s=hidden_context_s)
-    config = EngineConfig(policy="apt", calibrate_rho=False, enable_watermarks=False, max_num_batched_tokens=4096)
+    config = EngineConfig(policy="apt", calibrate_rho=False, enable_watermarks=False, max_num_batched_tokens=4096,
+                          cache_ratio=1.0)
     policy = AdaptiveScheduler(config=config, rho=hidden_context_s * 16, step_model=cost, tbt_headroom=0.8)
     sim = SimulatedEngine(config, num_pages=40, policy=policy, cost=cost)
     for _ in range(12):

@@ -227,14 +227,16 @@ class AdaptiveScheduler(IterationShaper, SchedulingPolicy):
         return plan
 
     def _preempt_for_priority(self, c: Candidates, plan: Plan) -> None:
-        """Let a waiting request that does not fit take the pages of pinned running requests of a
-        lower priority (a larger value), when it is worth more than they are together (their values
+        """Let a waiting request that does not fit, and can still meet its SLO, take the pages of pinned
+        running requests of a lower priority (a larger value), when it is worth more than they are together (their values
         include what evicting them costs: ``_price``). Waiting requests in density order; victims of
         the lowest priority first, then the lowest density; never the protected, never one of the same
         or a higher priority (so requests of one class never evict each other: no thrashing). The
         victims become unchosen, the first ones ``_run`` evicts for a waiting request."""
         n_run, prio, value = c.num_running, c.priority, plan.value
-        waiting = np.flatnonzero(~plan.chosen[n_run:]) + n_run
+        # Only for a request that can still meet its SLO: evicting for those that have already missed
+        # too was worse for both classes (LongBench-like, 1.5x: 16% / 40% against 24% / 51%).
+        waiting = np.flatnonzero(~plan.chosen[n_run:] & ~c.missed[n_run:]) + n_run
         running = np.flatnonzero(plan.pinned[:n_run] & plan.chosen[:n_run])
         if not waiting.size or not running.size or prio[waiting].min() >= prio[running].max():
             return
