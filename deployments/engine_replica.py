@@ -6,9 +6,10 @@ request)``); a request the engine refuses gets one ``InvalidRequest`` instead (s
 Tokens that pile up while Ray is still sending the previous item travel together (``coalesced``).
 
 The replica's ``LoadReport`` goes to the request router through ``record_routing_stats`` (Serve polls
-it) and to the cluster controller through a heartbeat whose reply (``Knobs``) carries the cluster's
+it) and to the cluster controller through a heartbeat whose reply (``Knobs``) carries this replica's
 knobs: Serve has no way to call every replica of a deployment, so the replicas report in and the
-controller answers.
+controller answers. Whether the controller marked it pressured goes back out in the next load report,
+so the request router steers around it without a call of its own.
 
 The replica also keeps the engine's metrics (``EngineMetrics`` into Ray's metrics) and its memory
 timeline (``CacheTracker``; ``memory_timeline()`` draws it).
@@ -107,6 +108,7 @@ class EngineReplica:
         self._pending_pages: dict[object, int] = {}
         self._tokens_per_page = self.engine.load()["tokens_per_page"]["kv"]
         self._applied_ratio: float | None = None
+        self._is_pressured = False  # the controller's last word, passed on to the request router
         self._controller = controller
         self._report_interval_s = report_interval_s
         self._reporter = asyncio.create_task(self._report_loop()) if controller is not None else None
@@ -114,8 +116,9 @@ class EngineReplica:
                     self.engine.load()["num_pages"])
 
     # Requests -------------------------------------------------------------------------------------
-    async def generate(self, request: EngineRequest):
-        """``StreamItem``s of one request, or one ``InvalidRequest`` if the engine refuses it."""
+    async def generate(self, request: EngineRequest, replica_id: str | None = None):
+        """``StreamItem``s of one request, or one ``InvalidRequest`` if the engine refuses it.
+        (``replica_id`` pins the call to this replica, for tests and load tools; see ``FitAwareRequestRouter``.)"""
         if not isinstance(request, EngineRequest):
             yield InvalidRequest(f"request: must be a deployments.wire.EngineRequest, got {type(request).__name__}")
             return
@@ -187,7 +190,9 @@ class EngineReplica:
             num_running=engine["num_running"], num_waiting=engine["num_waiting"],
             max_num_seqs=self.engine.config.max_num_seqs, max_model_len=self.engine.max_model_len,
             step_time_ms=engine["step_time_ms"], seed=self.engine.config.seed,
-            num_requests=self.num_requests, num_aborted=self.num_aborted)
+            num_requests=self.num_requests, num_aborted=self.num_aborted,
+            pages_by_kind=dict(engine["pages"]), compressed_kinds=tuple(engine.get("compressed_kinds", ())),
+            is_pressured=self._is_pressured)
 
     def record_routing_stats(self) -> dict:
         """Serve requires a dict here; ``FitAwareRequestRouter`` reads it back as a ``LoadReport``."""
@@ -221,6 +226,7 @@ class EngineReplica:
                                                       timeout=max(2.0, 4 * self._report_interval_s))
                 if knobs.cache_ratio != self._applied_ratio:
                     self.set_cache_ratio(knobs.cache_ratio)
+                self._is_pressured = knobs.is_pressured
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the controller may be restarting; keep serving

@@ -112,3 +112,39 @@ class ControllerMetrics:
         self.replicas = backend.gauge("apt_serve_engine_replicas_reporting", "Engine replicas reporting")
         self.actions = backend.counter("apt_serve_controller_actions_total", "Controller decisions by action",
                                        ("action",))
+        self.replica_ratio = backend.gauge("apt_serve_replica_hidden_target_ratio",
+                                           "cache_ratio the controller sets on one replica", ("replica",))
+        self.pressured = backend.gauge("apt_serve_replica_pressured", "1 while the request router steers new "
+                                       "requests away from the replica", ("replica",))
+        self.forecast_rate = backend.gauge("apt_serve_forecast_arrival_rate", "Arrivals per second the traffic "
+                                           "predictor expects over its horizon (point, low, high)", ("bound",))
+        self.forecast_tokens = backend.gauge("apt_serve_forecast_token_rate", "Prompt + output tokens per second "
+                                             "the traffic predictor expects over its horizon (point, low, high)",
+                                             ("bound",))
+        self.forecast_usage = backend.gauge("apt_serve_forecast_cache_usage", "Cluster cache usage with the "
+                                            "pages a forecast rise in demand would add over the horizon")
+        self.admission_limit = backend.gauge("apt_serve_admission_limit", "Share of the routers' in-flight "
+                                             "slots let through (below 1 while a peak over heavy is forecast)")
+
+    def record(self, control) -> None:
+        """The state of a ``ClusterControl`` after its step."""
+        usage, cluster = control.usage, control.cluster
+        self.replicas.set(len(control.replicas))
+        self.usage.set(usage)
+        self.target.set(cluster.ratio)
+        self.admission.set(1 if cluster.admit else 0)
+        self.admission_limit.set(control.admission_limit)
+        band = "below_light" if usage <= cluster.light else "between" if usage <= cluster.heavy else "above_heavy"
+        for state in ("below_light", "between", "above_heavy"):
+            self.watermark.set(1 if state == band else 0, {"state": state})
+        for replica_id in control.replicas:
+            knobs = control.knobs(replica_id)
+            self.replica_ratio.set(knobs.cache_ratio, {"replica": replica_id})
+            self.pressured.set(1 if knobs.is_pressured else 0, {"replica": replica_id})
+        f = control.forecast
+        if f is not None:
+            for bound, rate, tokens in (("point", f.arrival_rate, f.token_rate), ("low", f.arrival_rate_low,
+                                        f.token_rate_low), ("high", f.arrival_rate_high, f.token_rate_high)):
+                self.forecast_rate.set(rate, {"bound": bound})
+                self.forecast_tokens.set(tokens, {"bound": bound})
+            self.forecast_usage.set(control.forecast_usage or 0.0)

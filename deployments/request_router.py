@@ -16,10 +16,14 @@ newer snapshot covers them, not when Serve reports the call done: a finished req
 at most one stats period (a cautious error), and completion callbacks can fire early for streams.
 
 Replicas where the request fits come first, least loaded after placement first, where load is the
-larger of page usage and the share of ``max_num_seqs`` taken; the rest follow by free pages. Each
+larger of page usage and the share of ``max_num_seqs`` taken; among them, the ones the controller
+marked pressured (``LoadReport.is_pressured``: their own memory is past the heavy watermark, or will
+be by the forecast) go after the others, so new work flows to the replicas with room while any has
+it; the replicas where it does not fit follow by free pages. Each
 replica is its own rank, so Serve takes our first choice unless that replica's queue is full.
 Calls that are not ``generate`` (control, load) are left to Serve's usual choice, except that a call
-with a ``replica_id`` keyword goes to that replica only (debug reads such as ``memory_timeline``).
+with a ``replica_id`` keyword goes to that replica only (debug reads such as ``memory_timeline``, and
+``generate`` calls pinned by tests and load tools).
 """
 
 from __future__ import annotations
@@ -74,10 +78,10 @@ class FitAwareRequestRouter(RequestRouter):
         since = self._routed_since(replica.replica_id, stats.time - IN_TRANSIT_S)
         free = stats.num_free_pages - stats.num_pending_pages - sum(since)
         if need > free:
-            return (1, -free, queue_len or 0, random.random())
+            return (2, -free, queue_len or 0, random.random())
         num_seqs = stats.num_running + stats.num_waiting + len(since)
         load_after = max(1 - (free - need) / stats.num_pages, (num_seqs + 1) / stats.max_num_seqs)
-        return (0, round(load_after, 3), queue_len or 0, random.random())
+        return (1 if stats.is_pressured else 0, round(load_after, 3), queue_len or 0, random.random())
 
     def _routed_since(self, replica_id: ReplicaID, covered: float) -> list[int]:
         """Pages of the requests sent to a replica after its snapshot; forgets the ones it covers."""

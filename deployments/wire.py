@@ -5,7 +5,7 @@
     Router ──EngineRequest──► EngineReplica.generate ──StreamItem… (or one InvalidRequest)──► Router
     EngineReplica ──LoadReport──► Controller.report ──Knobs──► EngineReplica      (the heartbeat)
     EngineReplica.record_routing_stats ──LoadReport.to_dict()──► FitAwareRequestRouter
-    Router ──Controller.get_state──► ControllerState (its LoadReports and ControllerDecisions)
+    Router ──Controller.get_state(ArrivalCount)──► ControllerState (LoadReports, Knobs, ControllerDecisions)
 
 A contract is versioned by its fields: a new field gets a default, so that a sender of the previous
 version still makes a valid object. Every object crosses Ray by pickle; the one exception is the load
@@ -18,6 +18,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from apt_serve_ray.predictor import Forecast
 from apt_serve_ray.sampling_params import SamplingParams
 
 
@@ -133,6 +134,13 @@ class LoadReport:
     seed: int
     num_requests: int
     num_aborted: int  # callers that went away before the end
+    # Pages in use by kind ("kv", "hidden", "kv-int8", "hidden-int8"), and the compressed kinds this
+    # replica's engine is offered (none: cache_ratio changes nothing there).
+    pages_by_kind: dict[str, int] = field(default_factory=dict)
+    compressed_kinds: tuple[str, ...] = ()
+    # The controller marked this replica pressured (its own usage over the heavy watermark, or about to
+    # be by the forecast): the request router sends new requests to the others while they have room.
+    is_pressured: bool = False
 
     @property
     def num_used_pages(self) -> int:
@@ -143,25 +151,44 @@ class LoadReport:
 
     @classmethod
     def from_dict(cls, data: dict) -> LoadReport:
-        return cls(**data)
+        return cls(**{**data, "compressed_kinds": tuple(data.get("compressed_kinds", ()))})
 
 
 @dataclass(frozen=True)
 class Knobs:
-    """The controller's reply to a heartbeat: what every replica applies."""
+    """The controller's reply to a heartbeat: this replica's knobs (``cluster_control.py``)."""
 
     cache_ratio: float
+    is_pressured: bool = False  # reported back in the replica's LoadReport, for the request router
+
+
+@dataclass(frozen=True)
+class ArrivalCount:
+    """Requests a router received since its previous poll (sent with ``Controller.get_state``), for the
+    controller's ``TrafficPredictor``; counted before admission, so refused requests are demand too."""
+
+    router_id: str
+    num_requests: int
+    num_prompt_tokens: int
+    num_output_tokens: int  # max_tokens, capped at the router's output horizon
 
 
 @dataclass(frozen=True)
 class ControllerDecision:
-    """One change of the cluster's knobs, with why (kept for ``get_state`` and logged)."""
+    """One change of the knobs, with why (kept for ``get_state`` and logged): the cluster's
+    (``replica_id`` None: admission, its ratio floor, the admission limit) or one replica's (its ratio,
+    ``admission_open`` False: pressured). With prediction on, the forecast in force when it was taken."""
 
     time: float
-    usage: float
+    usage: float  # the cluster's, or the replica's own
     cache_ratio: float
     admission_open: bool
     reason: str
+    replica_id: str | None = None
+    forecast: Forecast | None = None
+    forecast_usage: float | None = None
+    admission_limit: float = 1.0
+    actions: tuple[str, ...] = ()  # e.g. "raise_hidden_target", "pressure_replica", "tighten_admission"
 
 
 @dataclass(frozen=True)
@@ -174,3 +201,7 @@ class ControllerState:
     retry_after_s: float
     replicas: dict[str, LoadReport] = field(default_factory=dict)
     decisions: tuple[ControllerDecision, ...] = ()
+    knobs: dict[str, Knobs] = field(default_factory=dict)  # replica id -> its knobs
+    forecast: Forecast | None = None  # with predictive_control: the last forecast
+    forecast_usage: float | None = None
+    admission_limit: float = 1.0  # share of each router's in-flight slots to let through

@@ -100,7 +100,7 @@ def test_requests_are_counted_by_outcome_where_they_end(scripted_run, app):
     assert len(values(engine, "apt_serve_inter_token_gap_seconds")) >= 3 * scripted_run["num_finished"]
     assert sum(values(engine, "apt_serve_slo_total")) == scripted_run["num_finished"]
     kinds = {s["tags"]["kind"] for s in engine["apt_serve_cache_pages"]}
-    assert kinds == {"kv", "hidden", "free"}
+    assert kinds == {"kv", "hidden", "kv-int8", "hidden-int8", "free"}
     # The scripted requests name no service class: they are the default class's, on both sides.
     assert {s["tags"]["service_class"] for s in engine["apt_serve_slo_total"]} == {"default"}
     assert {s["tags"]["service_class"] for s in router["apt_serve_ttft_seconds"]} == {"default"}
@@ -130,21 +130,28 @@ def test_controller_exports_its_state(scripted_run):
 
 
 def test_controller_counts_its_actions():
-    """The decision loop on its own: pressure above both watermarks, then relief."""
+    """The decision loop on its own: pressure above both watermarks, then relief. The cluster's knobs
+    and the one replica's each count their own actions."""
+    import time
+
+    from deployments.cluster_control import ClusterControl, ControlSettings
     from deployments.controller import Controller
     from deployments.metrics import ControllerMetrics, make_backend, snapshot
-    from apt_serve_ray.scheduler.watermarks import Watermarks
 
     controller = Controller.func_or_class.__new__(Controller.func_or_class)
-    controller.watermarks = Watermarks(0.5, 0.8, 0.5, 0.25)
-    controller.stale_after_s, controller.usage, controller.decisions, controller.last_heard = 60.0, 0.0, [], {}
+    controller.control = ClusterControl(ControlSettings(0.5, 0.8, 0.5, 0.25, stale_after_s=60.0))
+    controller.decisions = []
     controller._backend = make_backend({"model": "m"}, mirror=True)
     controller.metrics = ControllerMetrics(controller._backend)
     for used in (90, 10):
-        controller.replicas = {"r": load_report(num_pages=100, num_free_pages=100 - used)}
+        controller.control.report(load_report(replica_id="r", num_pages=100, num_free_pages=100 - used),
+                                  time.monotonic())
         controller.step()
     actions = {s["tags"]["action"]: s["value"] for s in snapshot(controller._backend)["apt_serve_controller_actions_total"]}
-    assert actions == {"raise_hidden_target": 1, "close_admission": 1, "lower_hidden_target": 1, "open_admission": 1}
+    assert actions == {"raise_hidden_target": 2, "close_admission": 1, "pressure_replica": 1,
+                       "lower_hidden_target": 2, "open_admission": 1, "unpressure_replica": 1}
+    pressured = snapshot(controller._backend)["apt_serve_replica_pressured"]
+    assert pressured == [{"tags": {"model": "m", "replica": "r"}, "value": 0}]
 
 
 # Traces -----------------------------------------------------------------------------------------

@@ -29,11 +29,11 @@ class FakeReplica:
 
 
 def stats(free: int, *, pages: int = 128, running: int = 0, waiting: int = 0, pending: int = 0,
-          at: float | None = None) -> dict:
+          at: float | None = None, pressured: bool = False) -> dict:
     """What Serve holds as a replica's routing stats: its ``LoadReport`` as a dict."""
     return load_report(time=time.time() - 1 if at is None else at, num_pages=pages, num_free_pages=free,
                        num_pending_pages=pending, num_running=running, num_waiting=waiting, max_num_seqs=16,
-                       tokens_per_kv_page=16).to_dict()
+                       tokens_per_kv_page=16, is_pressured=pressured).to_dict()
 
 
 def engine_request(num_prompt_tokens: int, max_tokens: int | None = 16, rid: str = "r") -> EngineRequest:
@@ -77,6 +77,15 @@ async def test_among_fits_the_least_loaded_after_placement_wins():
     a, b = FakeReplica("a", stats(free=40)), FakeReplica("b", stats(free=120))
     router = make_router(a, b)
     assert (await choose(router, [a, b], pending(32)))[0] == "b"
+
+
+@pytest.mark.asyncio
+async def test_a_replica_the_controller_marked_pressured_is_steered_around_while_another_has_room():
+    a, b = FakeReplica("a", stats(free=120, pressured=True)), FakeReplica("b", stats(free=40))
+    router = make_router(a, b)
+    assert await choose(router, [a, b], pending(32)) == ["b", "a"]  # a has more room, but is pressured
+    # Where the request fits nowhere else, the pressured replica still comes before one it does not fit.
+    assert await choose(router, [a, b], pending(1000, rid="big")) == ["a", "b"]
 
 
 @pytest.mark.asyncio

@@ -9,8 +9,8 @@ import pytest
 from serve_helpers import load_report
 
 from apt_serve_ray import SamplingParams
-from deployments.wire import (ControllerDecision, ControllerState, EngineRequest, InvalidRequest, Knobs, LoadReport,
-                              StreamItem)
+from deployments.wire import (ArrivalCount, ControllerDecision, ControllerState, EngineRequest, InvalidRequest, Knobs,
+                              LoadReport, StreamItem)
 
 
 def test_every_contract_survives_pickling_as_ray_sends_it():
@@ -21,8 +21,17 @@ def test_every_contract_survives_pickling_as_ray_sends_it():
     state = ControllerState(admission_open=False, cache_ratio=0.1, usage=0.95, retry_after_s=2.0,
                             replicas={"r": report},
                             decisions=(ControllerDecision(1.0, 0.95, 0.1, False, "usage 0.95 > heavy 0.9"),))
+    from apt_serve_ray.predictor import TrafficPredictor
+
+    forecast = TrafficPredictor().forecast(5, now=0)
+    predicted = ControllerState(admission_open=True, cache_ratio=0.0, usage=0.2, retry_after_s=2.0,
+                                knobs={"r": Knobs(0.3, is_pressured=True)}, forecast=forecast, forecast_usage=0.9,
+                                admission_limit=0.75, decisions=(ControllerDecision(
+                                    1.0, 0.2, 0.1, True, "forecast", replica_id="r", forecast=forecast,
+                                    forecast_usage=0.9, actions=("raise_hidden_target",)),))
     objects = [request, StreamItem("a", (5,), replica_id="r", num_prompt_tokens=3), InvalidRequest("prompt: empty"),
-               report, Knobs(cache_ratio=0.2), state]
+               report, Knobs(cache_ratio=0.2), state, predicted, ArrivalCount("router", 3, 300, 96),
+               load_report(is_pressured=True)]
     for obj in objects:
         assert pickle.loads(pickle.dumps(obj)) == obj
 

@@ -7,12 +7,16 @@ import pytest
 
 from apt_serve_ray.bench.workloads import (
     WORKLOADS,
+    Diurnal,
+    OnOff,
     ServiceClass,
+    arrival_rates,
     TraceRequest,
     assign_classes,
     fill_token_ids,
     load_trace,
     make_random_trace,
+    make_shaped_trace,
     make_trace,
     save_trace,
     with_rate,
@@ -214,3 +218,41 @@ def test_classes_survive_a_jsonl_round_trip(tmp_path):
     trace = assign_classes(make_trace("sharegpt", 20, 1.0), [INTERACTIVE, BATCH])
     save_trace(trace, tmp_path / "t.jsonl")
     assert load_trace(tmp_path / "t.jsonl") == trace
+
+
+# Peaks ------------------------------------------------------------------------------------------
+def test_on_off_arrivals_follow_the_square_wave():
+    shape = OnOff(low=1.0, high=7.0, period_s=20.0)
+    trace = make_shaped_trace("sharegpt", 2000, shape, seed=3)
+    t = np.array([r.arrival_s for r in trace])
+    high = (t % 20.0) >= 10.0
+    assert high.mean() == pytest.approx(7 / 8, abs=0.03)  # the high phase's share of the arrivals
+    duration = t[-1]
+    assert len(trace) / duration == pytest.approx(shape.mean_rate, rel=0.08)
+    assert t[0] == 0.0 and np.all(np.diff(t) >= 0)
+
+
+def test_diurnal_arrivals_follow_the_sine_from_its_trough():
+    shape = Diurnal(mean=4.0, amplitude=0.8, period_s=60.0)
+    rates = arrival_rates(make_shaped_trace("sharegpt", 3000, shape, seed=1), bin_s=5.0)
+    per_period = rates[: len(rates) // 12 * 12].reshape(-1, 12).mean(axis=0)  # 12 bins of 5 s a period
+    assert per_period[:2].mean() < 2.0 and per_period[5:7].mean() > 6.0  # trough first, crest mid-period
+    assert rates.mean() == pytest.approx(4.0, rel=0.1)
+
+
+def test_shaped_traces_are_deterministic_and_keep_make_traces_lengths():
+    shape = OnOff(0.5, 4.0, 30.0, duty=0.25)
+    a, b = make_shaped_trace("humaneval", 200, shape, cv=4.0, seed=7), make_shaped_trace("humaneval", 200, shape, cv=4.0, seed=7)
+    assert a == b and a != make_shaped_trace("humaneval", 200, shape, cv=4.0, seed=8)
+    plain = make_trace("humaneval", 200, shape.mean_rate, seed=7)
+    assert [r.prompt_len for r in a] == [r.prompt_len for r in plain]
+
+
+@pytest.mark.parametrize("make, field", [
+    (lambda: OnOff(-1.0, 2.0, 10.0), "low/high"), (lambda: OnOff(1.0, 2.0, 0.0), "period_s"),
+    (lambda: OnOff(1.0, 2.0, 10.0, duty=1.0), "duty"), (lambda: Diurnal(0.0, 0.5, 10.0), "mean"),
+    (lambda: Diurnal(1.0, 1.5, 10.0), "amplitude"), (lambda: make_shaped_trace("sharegpt", 10, OnOff(1, 2, 10), cv=0), "cv"),
+])
+def test_bad_shapes_name_the_field(make, field):
+    with pytest.raises(ValueError, match=field):
+        make()

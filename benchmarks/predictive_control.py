@@ -1,0 +1,320 @@
+"""Predictive vs reactive vs no memory control, through Ray Serve with two engine replicas.
+
+The same traces go, over HTTP (streaming), to the app deployed three ways:
+
+* ``predictive``: ``predictive_control: true`` (the controller forecasts arrivals and acts a horizon
+  ahead, per replica and cluster-wide; ``deployments/cluster_control.py``);
+* ``reactive``: today's watermarks, per replica and cluster-wide, on memory in use only;
+* ``none``: both watermarks at 1.0, so no rule ever fires (the ratio stays at its base, admission
+  stays open, no replica is marked pressured).
+
+Traces (``apt_serve_ray/bench/workloads.py``, one seed): Gamma arrivals at ``--rate`` with CV 1, 4
+and 8, and an on/off square wave (``--low`` / ``--high`` req/s, ``--period`` s) whose mean is about
+``--rate``. Reported per mode and trace: SLO attainment (all requests; on/off also within the high
+phases, the peak), effective throughput (requests per second that met their SLOs: goodput), and the
+predictor's forecast error (MAPE of the forecast mean rate over the horizon against the arrivals that
+came, over the forecasts where something came; and WAPE, which quiet windows do not dominate): live (the controller's forecasts, polled) for the
+predictive mode, and offline (the trace's arrivals replayed into a ``TrafficPredictor``) for every
+trace. Writes ``docs/benchmarks/predictive/predictive_control[_quick].json`` and a plot of forecast
+vs actual arrivals on the on/off trace with the controller's actions marked.
+
+    python benchmarks/predictive_control.py --quick        # ~10 min on 2 shared cores: on/off + CV 4
+    python benchmarks/predictive_control.py                # every trace, longer
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from apt_serve_ray.bench import workloads  # noqa: E402
+from apt_serve_ray.bench.slo_metrics import passes_slo, summarize  # noqa: E402
+from apt_serve_ray.predictor import TrafficPredictor, mape  # noqa: E402
+
+APP = "predictive-bench"
+MODES = ("predictive", "reactive", "none")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="opt-tiny", choices=["opt-tiny", "opt-125m"], help="random checkpoint")
+    p.add_argument("--workload", default="humaneval", choices=sorted(workloads.WORKLOADS))
+    p.add_argument("--max-output-len", type=int, default=128)
+    p.add_argument("--num-pages", type=int, default=96, help="per replica")
+    p.add_argument("--policy", default="apt")
+    p.add_argument("--rate", type=float, default=3.0, help="mean req/s of the Gamma traces")
+    p.add_argument("--low", type=float, default=1.0)
+    p.add_argument("--high", type=float, default=6.0)
+    p.add_argument("--period", type=float, default=20.0)
+    p.add_argument("--duration", type=float, default=120.0, help="seconds of each trace")
+    p.add_argument("--cvs", default="1,4,8")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--horizon", type=float, default=5.0, help="forecast_horizon_s")
+    p.add_argument("--admission-share", type=float, default=1.0, help="predictive_admission_share (1: never tighten)")
+    p.add_argument("--ttft-slo-ms", type=float, default=3000.0)
+    p.add_argument("--tbt-slo-ms", type=float, default=1000.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-cpus", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="on/off and CV 4 only, 80 s each")
+    p.add_argument("--tag", default=None, help="suffix of the output files (default: _quick with --quick)")
+    p.add_argument("--out-dir", default=str(ROOT / "docs" / "benchmarks" / "predictive"))
+    a = p.parse_args()
+    if a.quick:
+        a.cvs, a.duration = "4", 80.0
+    return a
+
+
+# Traces -----------------------------------------------------------------------------------------
+def traces(a, vocab: int) -> dict[str, tuple[list, object]]:
+    """name -> (trace, shape or None); on/off first, so the predictor's history starts with it."""
+    onoff = workloads.OnOff(a.low, a.high, a.period)
+    out = {}
+    n = max(4, int(onoff.mean_rate * a.duration))
+    out["on/off"] = (workloads.make_shaped_trace(a.workload, n, onoff, seed=a.seed, vocab_size=vocab,
+                                                 max_output_len=a.max_output_len), onoff)
+    for cv in (float(c) for c in a.cvs.split(",") if c):
+        trace = workloads.make_trace(a.workload, max(4, int(a.rate * a.duration)), a.rate, cv, a.seed,
+                                     vocab_size=vocab, max_output_len=a.max_output_len)
+        out[f"gamma cv{cv:g}"] = (trace, None)
+    return out
+
+
+def wape(forecast, actual) -> float:
+    """Sum of absolute errors over the sum of what came: MAPE's companion that quiet windows (one
+    arrival forecast as three: 200%) do not dominate."""
+    forecast, actual = np.asarray(forecast, float), np.asarray(actual, float)
+    return float(np.abs(forecast - actual).sum() / actual.sum()) if actual.sum() > 0 else float("nan")
+
+
+def offline_errors(trace, horizon: float) -> dict:
+    """The predictor on the trace's own arrivals, one forecast a second: MAPE and WAPE."""
+    times = np.array([r.arrival_s for r in trace])
+    p, forecasts, actual = TrafficPredictor(300), [], []
+    end = times.max()
+    for t in np.arange(1.0, end - horizon, 1.0):
+        for x in times[(times >= t - 1) & (times < t)]:
+            p.observe(float(x))
+        p.observe(float(t) - 1e-6, 0)
+        forecasts.append(p.forecast(horizon, now=float(t)).arrival_rate)
+        actual.append(np.sum((times >= t) & (times < t + horizon)) / horizon)
+    return {"mape": mape(forecasts, actual), "wape": wape(forecasts, actual)}
+
+
+# The app ----------------------------------------------------------------------------------------
+def app_args(a, model: str, mode: str) -> dict:
+    args = {"model": model, "num_replicas": 2, "num_pages": a.num_pages, "num_threads": 1, "max_num_seqs": 16,
+            "num_cpus_per_replica": 0.5, "policy": a.policy, "control_interval_s": 0.25,
+            "routing_stats_period_s": 0.5, "dtype": "float32"}
+    if mode == "predictive":
+        args.update(predictive_control=True, forecast_horizon_s=a.horizon,
+                    predictive_admission_share=a.admission_share)
+    elif mode == "none":
+        args.update(light_watermark=1.0, heavy_watermark=1.0)
+    return args
+
+
+async def run_trace(url: str, model: str, trace, a, controller) -> tuple[list, float, list, list]:
+    """Replay over HTTP while polling the controller: (timelines, duration, forecasts, decisions)."""
+    import aiohttp
+    from online_client import send_request
+
+    client_args = argparse.Namespace(ignore_eos=True, timeout=600.0)
+    slos = {"ttft_slo_ms": a.ttft_slo_ms, "tbt_slo_ms": a.tbt_slo_ms}
+    forecasts, decisions, seen = [], [], set()
+    t0 = time.perf_counter()
+    wall0 = time.time()
+    done = asyncio.Event()
+
+    async def poll():
+        while not done.is_set():
+            state = await controller.get_state.remote()
+            t = time.perf_counter() - t0
+            if state.forecast is not None:
+                f = state.forecast
+                forecasts.append({"t": t, "rate": f.arrival_rate, "low": f.arrival_rate_low,
+                                  "high": f.arrival_rate_high, "model": f.model,
+                                  "forecast_usage": state.forecast_usage, "usage": state.usage})
+            for d in state.decisions:
+                key = (d.time, d.replica_id, d.reason)
+                if d.time >= wall0 and key not in seen:
+                    seen.add(key)
+                    decisions.append({"t": d.time - wall0, "replica": d.replica_id, "actions": list(d.actions),
+                                      "reason": d.reason})
+            await asyncio.sleep(0.5)
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        async def one(req):
+            await asyncio.sleep(max(0.0, req.arrival_s - (time.perf_counter() - t0)))
+            return await send_request(session, url, req, model, client_args, slos, t0)
+
+        poller = asyncio.create_task(poll())
+        timelines = await asyncio.gather(*(one(r) for r in trace))
+        done.set()
+        await poller
+    return list(timelines), time.perf_counter() - t0, forecasts, decisions
+
+
+def live_errors(forecasts: list[dict], trace, horizon: float) -> dict:
+    times = np.array([r.arrival_s for r in trace])
+    end = times.max()
+    pairs = [(f["rate"], np.sum((times >= f["t"]) & (times < f["t"] + horizon)) / horizon)
+             for f in forecasts if f["t"] + horizon <= end]
+    if not pairs:
+        return {"mape": float("nan"), "wape": float("nan")}
+    f, x = [p for p, _ in pairs], [x for _, x in pairs]
+    return {"mape": mape(f, x), "wape": wape(f, x)}
+
+
+def wait_idle(controller, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        loads = controller.get_state.remote().result().replicas.values()
+        if len(loads) == 2 and all(r.num_free_pages == r.num_pages and r.num_running == 0 for r in loads):
+            return
+        time.sleep(0.5)
+
+
+# Report -----------------------------------------------------------------------------------------
+def summarize_run(timelines, duration: float, trace, shape) -> dict:
+    s = summarize(timelines, duration)
+    out = {"attainment": s["slo_attainment"], "goodput": s["request_goodput"], "completed": s["completed"],
+           "failed": s["failed"], "p99_ttft_ms": s["p99_ttft_ms"], "preemptions": s["total_preemptions"]}
+    if shape is not None:
+        peak = [t for t, r in zip(timelines, trace) if shape.rate(np.array([r.arrival_s]))[0] == shape.high]
+        out["peak_attainment"] = sum(passes_slo(t) for t in peak) / max(1, len(peak))
+    return out
+
+
+def plot(run: dict, trace, shape, a, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = workloads.arrival_rates(trace, 1.0)
+    fig, ax = plt.subplots(figsize=(10, 4.2))
+    ax.step(np.arange(len(rates)), rates, where="post", color="#999999", lw=0.8, label="arrivals / s")
+    t_grid = np.arange(0, len(rates))
+    ax.plot(t_grid, shape.rate(t_grid + 0.5), color="black", lw=0.8, ls=":", label="trace rate")
+    f = run["forecasts"]
+    if f:
+        t = np.array([x["t"] for x in f])
+        ax.plot(t + a.horizon / 2, [x["rate"] for x in f], color="#4c72b0", lw=1.4,
+                label=f"forecast mean over next {a.horizon:g} s (drawn mid-horizon)")
+        ax.fill_between(t + a.horizon / 2, [x["low"] for x in f], [x["high"] for x in f], color="#4c72b0",
+                        alpha=0.2, label="forecast band")
+    colors = {"raise_hidden_target": "#dd8452", "tighten_admission": "#c44e52", "pressure_replica": "#8172b3",
+              "lower_hidden_target": "#55a868", "relax_admission": "#55a868", "unpressure_replica": "#55a868",
+              "close_admission": "black", "open_admission": "black"}
+    labelled = set()
+    for d in run["decisions"]:
+        for action in d["actions"]:
+            label = action if action not in labelled else None
+            labelled.add(action)
+            ax.axvline(d["t"], color=colors.get(action, "grey"), lw=0.7, alpha=0.7, label=label,
+                       ls="-" if d["replica"] is None else "--")
+    ax.set_xlabel("seconds since the trace started")
+    ax.set_ylabel("requests / s")
+    ax.set_title("on/off trace, predictive control: forecast vs actual arrivals; actions (dashed: one replica)")
+    ax.legend(fontsize=7, loc="upper left", ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    a = parse_args()
+    import ray
+    from ray import serve
+
+    from apt_serve_ray.checkpoints import make_random_checkpoint
+    from deployments.app import build_app
+
+    model = make_random_checkpoint(ROOT / ".cache" / "checkpoints" / a.shape, a.shape)
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(model).vocab_size
+    runs = traces(a, vocab)
+    results: dict = {"args": vars(a), "cpu": os.cpu_count(), "offline_errors": {}, "runs": {}}
+    for name, (trace, _) in runs.items():
+        results["offline_errors"][name] = offline_errors(trace, a.horizon)
+
+    ray.init(num_cpus=a.num_cpus, include_dashboard=False, log_to_driver=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    try:
+        for mode in a.modes.split(","):
+            started = time.perf_counter()
+            serve.run(build_app(app_args(a, model, mode)), name=APP, route_prefix="/")
+            controller = serve.get_deployment_handle("Controller", APP)
+            while len(controller.get_state.remote().result().replicas) < 2:
+                time.sleep(0.5)
+            print(f"[{mode}] app up in {time.perf_counter() - started:.0f} s", flush=True)
+            for name, (trace, shape) in runs.items():
+                timelines, duration, forecasts, decisions = asyncio.run(run_trace(url, model, trace, a, controller))
+                row = summarize_run(timelines, duration, trace, shape)
+                row.update(forecasts=forecasts, decisions=decisions,
+                           live_errors=live_errors(forecasts, trace, a.horizon) if forecasts else None)
+                results["runs"].setdefault(mode, {})[name] = row
+                print(f"[{mode}] {name}: attainment {row['attainment']:.1%}"
+                      + (f" (peak {row['peak_attainment']:.1%})" if "peak_attainment" in row else "")
+                      + f", goodput {row['goodput']:.2f} req/s, {len(decisions)} decisions", flush=True)
+                wait_idle(controller)
+            serve.delete(APP)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+    out = Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    suffix = a.tag if a.tag is not None else ("_quick" if a.quick else "")
+    if "predictive" in results["runs"]:
+        trace, shape = runs["on/off"]
+        plot(results["runs"]["predictive"]["on/off"], trace, shape, a, out / f"forecast_onoff{suffix}.png")
+    (out / f"predictive_control{suffix}.json").write_text(json.dumps(results, indent=1, default=float))
+    print_table(results, runs)
+
+
+def print_table(results: dict, runs: dict) -> None:
+    modes = list(results["runs"])
+    print(f"\n{'trace':<14}" + "".join(f"{m + ' att':>18}{'goodput':>9}" for m in modes)
+          + f"{'MAPE/WAPE live':>16}{'offline':>13}")
+    for name in runs:
+        line = f"{name:<14}"
+        for m in modes:
+            r = results["runs"][m][name]
+            att = f"{r['attainment']:.1%}" + (f" ({r['peak_attainment']:.0%})" if "peak_attainment" in r else "")
+            line += f"{att:>18}{r['goodput']:>9.2f}"
+        live = results["runs"].get("predictive", {}).get(name, {}).get("live_errors")
+        line += f"{_pair(live):>16}{_pair(results['offline_errors'][name]):>13}"
+        print(line)
+    print("attainment: share of requests meeting TTFT and P99-gap SLOs (on/off: in brackets, within the high "
+          "phases); goodput: req/s meeting them; MAPE of the forecast mean rate over the horizon")
+
+
+def _pair(errors: dict | None) -> str:
+    if not errors or math.isnan(errors["mape"]):
+        return "-"
+    return f"{errors['mape']:.0%}/{errors['wape']:.0%}"
+
+
+if __name__ == "__main__":
+    main()

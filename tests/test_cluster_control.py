@@ -1,0 +1,137 @@
+"""The controller's decisions on fake replicas (``ClusterControl``, no Ray): each replica's own memory
+drives its knobs, the summed memory gates admission for the cluster, and with prediction both move
+before a forecast peak arrives, and back after; every decision carries the forecast behind it."""
+
+from __future__ import annotations
+
+import pytest
+from serve_helpers import load_report
+
+from deployments.cluster_control import ClusterControl, ControlSettings
+from deployments.wire import ArrivalCount
+
+LIGHT, HEAVY = 0.6, 0.85
+
+
+def control(**kw) -> ClusterControl:
+    return ClusterControl(ControlSettings(LIGHT, HEAVY, max_ratio=0.5, ratio_step=0.1, stale_after_s=5.0, **kw),
+                          wall_clock=lambda: 0.0)
+
+
+def report(c: ClusterControl, now: float, **used_by_replica: int):
+    return {r: c.report(load_report(replica_id=r, num_pages=100, num_free_pages=100 - used), now)
+            for r, used in used_by_replica.items()}
+
+
+def test_a_full_replica_beside_an_empty_one_is_acted_on_alone():
+    c = control()
+    for t in range(3):
+        report(c, t, full=100, empty=0)
+        decisions = c.step(t)
+    knobs = report(c, 3, full=100, empty=0)
+    assert c.usage == 0.5 and c.cluster.admit  # the cluster reads half full: the cluster rule does nothing
+    assert knobs["full"].cache_ratio == pytest.approx(0.3) and knobs["full"].is_pressured
+    assert knobs["empty"].cache_ratio == 0.0 and not knobs["empty"].is_pressured
+    assert all(d.replica_id == "full" for d in decisions)
+    first = c.step(3) or decisions
+    assert all(d.forecast is None for d in first)  # reactive: no forecast
+
+
+def test_a_pressured_replica_is_released_once_its_own_memory_falls():
+    c = control()
+    report(c, 0, a=95, b=10)
+    c.step(0)
+    assert c.knobs("a").is_pressured
+    report(c, 1, a=80, b=10)  # under heavy, still over light
+    (decision,) = c.step(1)
+    assert not c.knobs("a").is_pressured and decision.actions == ("raise_hidden_target", "unpressure_replica")
+    assert "not pressured" in decision.reason
+
+
+def test_pending_prompt_pages_count_toward_a_replicas_pressure():
+    c = control()
+    c.report(load_report(replica_id="a", num_pages=100, num_free_pages=50, num_pending_pages=40), 0)
+    c.step(0)
+    assert c.knobs("a").is_pressured
+
+
+def test_the_cluster_rule_closes_admission_on_the_summed_memory_and_sets_every_replicas_floor():
+    c = control()
+    report(c, 0, a=90, b=90)
+    decisions = c.step(0)
+    assert not c.cluster.admit and c.cluster.ratio == pytest.approx(0.1)
+    cluster = [d for d in decisions if d.replica_id is None]
+    assert cluster and "close_admission" in cluster[0].actions and "admission off" in cluster[0].reason
+    report(c, 1, a=10, b=10)
+    c.step(1)
+    assert c.cluster.admit and c.state_fields()["admission_open"]
+
+
+def test_a_replica_that_stops_reporting_is_dropped_and_a_new_one_gets_the_clusters_ratio():
+    c = control()
+    report(c, 0, a=90, b=90)
+    c.step(0)
+    report(c, 6, b=90)
+    c.step(6)
+    assert set(c.replicas) == {"b"} and "a" not in c.rules
+    assert c.report(load_report(replica_id="new", num_pages=100, num_free_pages=100), 6).cache_ratio == c.cluster.ratio
+
+
+def _arrivals(c: ClusterControl, now: float, n: int, tokens_per_request: int = 320) -> None:
+    c.observe_arrivals(ArrivalCount("router", n, n * (tokens_per_request - 64), n * 64), now)
+
+
+def _on_off(c: ClusterControl, until: float, used: int = 20, start: float = 0.0) -> list:
+    """On/off arrivals (1 req/s for 10 s, then 8 req/s for 10 s) with memory held at ``used`` pages per
+    replica (the peak has not landed yet); the decisions, with the time each was taken."""
+    taken, t = [], start
+    while t < until:
+        rate = 8 if (t % 20) >= 10 else 1
+        _arrivals(c, t + 0.25, rate)  # one poll per second
+        report(c, t + 0.5, a=used, b=used)
+        taken += [(t + 1, d) for d in c.step(t + 1)]
+        t += 1
+    return taken
+
+
+def test_prediction_raises_ratios_and_tightens_admission_before_a_forecast_peak():
+    c = control(predictive=True, horizon_s=5.0, admission_share=0.5)
+    taken = _on_off(c, until=107)  # five periods seen; 107 s: 3 s before the sixth peak
+    f = c.forecast
+    assert f is not None and f.model == "holt-winters/20s"
+    assert f.token_rate > 2 * f.recent_token_rate  # the peak is seen coming while arrivals are low
+    assert c.forecast_usage > HEAVY and c.usage == pytest.approx(0.2)
+    assert c.admission_limit == 0.5
+    assert c.knobs("a").cache_ratio > 0 and c.knobs("b").cache_ratio > 0  # usage itself is only 0.2
+    acted = [(t, d) for t, d in taken if t > 100 and d.actions]
+    assert acted and all(d.forecast is not None and "forecast" in d.reason for _, d in acted)
+    assert any("tighten_admission" in d.actions for _, d in acted)
+    assert c.cluster.admit  # no 503s on a forecast: admission closes only on memory in use
+
+
+def test_prediction_relaxes_after_the_peak():
+    c = control(predictive=True, horizon_s=5.0, admission_share=0.5)
+    taken = _on_off(c, until=107)
+    taken += _on_off(c, start=107, until=123)  # through the peak, into the off phase (next peak at 130 s)
+    assert c.admission_limit == 1.0
+    assert any("relax_admission" in d.actions for t, d in taken if t > 107)
+    assert any("lower_hidden_target" in d.actions for t, d in taken if t > 107)
+
+
+def test_steady_traffic_forecasts_no_extra_memory():
+    c = control(predictive=True, horizon_s=5.0)
+    t = 0.0
+    while t < 120:
+        _arrivals(c, t + 0.25, 4)
+        report(c, t + 0.5, a=30, b=30)
+        c.step(t + 1)
+        t += 1
+    assert c.forecast_usage == pytest.approx(c.usage, abs=0.06)
+    assert c.admission_limit == 1.0 and c.knobs("a").cache_ratio == 0.0
+
+
+@pytest.mark.parametrize("kw, field", [({"horizon_s": 0}, "forecast_horizon_s"),
+                                       ({"admission_share": 0}, "predictive_admission_share")])
+def test_bad_settings_name_the_app_argument(kw, field):
+    with pytest.raises(ValueError, match=field):
+        control(**kw)
