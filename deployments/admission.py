@@ -67,6 +67,12 @@ class AdmissionQueue:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def is_full(self) -> bool:
+        """A new request would get ``QueueFull`` now."""
+        return len(self._waiting) >= self.max_queued and (
+            self.num_in_flight >= self.max_in_flight or bool(self._waiting))
+
     @contextlib.asynccontextmanager
     async def slot(self, ticket: Ticket):
         """Hold one in-flight slot for the body of the ``async with``; raises QueueFull at once when
@@ -96,6 +102,14 @@ class AdmissionQueue:
 
     def release(self) -> None:
         self.num_in_flight -= 1
+        self._grant()
+
+    def resize(self, max_in_flight: int) -> None:
+        """A new in-flight limit (the controller tightens it before a forecast peak): lowering it lets
+        the requests in flight finish and holds new ones; raising it lets waiting ones through at once."""
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight: must be >= 1, got {max_in_flight}")
+        self.max_in_flight = max_in_flight
         self._grant()
 
     def _grant(self) -> None:

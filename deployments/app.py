@@ -14,7 +14,7 @@ import typing
 from typing import Annotated, Any, Literal, Optional
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, NonNegativeFloat, PositiveFloat, PositiveInt,
-                      create_model, model_validator)
+                      SecretStr, create_model, model_validator)
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
@@ -23,9 +23,11 @@ from apt_serve_ray.model_loader import DEFAULT_MODEL
 from apt_serve_ray.scheduler.registry import make_policy
 from apt_serve_ray.scheduler.value import MAX_WAIT_S, ValueWeights
 from deployments.admission import ADMISSION_WEIGHTS
+from deployments.auth import resolve_keys
 from deployments.controller import Controller
 from deployments.engine_replica import EngineReplica
 from deployments.request_router import OUTPUT_HORIZON_TOKENS, FitAwareRequestRouter
+from deployments.request_body import MAX_REQUEST_BODY_BYTES
 from deployments.router import Router, RouterOptions
 from deployments.service_classes import DEFAULT_SERVICE_CLASS, SERVICE_CLASSES, ServiceClass, ServiceClasses
 
@@ -81,9 +83,18 @@ class _AppArgs(BaseModel):
     # measured through Serve on 2 CPU cores: saturated output 188 -> 233 tok/s, TPOT 12.8 -> 10.7 ms.
     engine_process: bool = True
     engine_options: dict[str, Any] = Field(default_factory=dict)  # older spelling of engine arguments
-    # Controller.
+    # Controller (deployments/cluster_control.py: the rules per replica, cluster-wide and on the forecast).
     control_interval_s: PositiveFloat = 0.5
     retry_after_s: PositiveFloat = 2.0
+    # With predictive_control the controller forecasts arrivals (apt_serve_ray/predictor.py) from what the
+    # routers receive and acts forecast_horizon_s ahead: ratios rise, and the routers let only
+    # predictive_admission_share of their in-flight slots through, before a forecast peak crosses the
+    # light / heavy watermark (1, the default: admission is not tightened on a forecast; measured to
+    # cost attainment on the smoke run, docs/benchmarks.md).
+    predictive_control: bool = False
+    forecast_horizon_s: PositiveFloat = 10.0
+    forecast_history_s: PositiveFloat = 300.0
+    predictive_admission_share: float = Field(1.0, gt=0.0, le=1.0)
     # Router: admission and replica choice.
     max_in_flight_per_replica: Optional[PositiveInt] = None  # default: the engine's max_num_seqs
     max_queued_requests: int = Field(1024, ge=0)
@@ -99,6 +110,11 @@ class _AppArgs(BaseModel):
     # and whether to keep metric values in memory too (``metrics_snapshot()`` on each deployment).
     tracing_exporter: Literal["none", "console", "otlp", "memory"] = "none"
     mirror_metrics: bool = False
+    # HTTP hardening (deployments/auth.py, request_body.py): bearer keys (None: the APT_SERVE_API_KEYS
+    # environment variable, comma-separated; neither: no auth; SecretStr: never shown in a repr or log)
+    # and the largest request body (413 above it).
+    api_keys: Optional[list[SecretStr]] = None
+    max_request_body_bytes: PositiveInt = MAX_REQUEST_BODY_BYTES
 
     @model_validator(mode="after")
     def _check_service_classes(self):
@@ -126,11 +142,25 @@ class _AppArgs(BaseModel):
 _SET_BY_APP = {"enable_watermarks"}
 
 
+def _comma_list(value):
+    """``serve run app key=a,b`` passes strings: a list field also takes a comma-separated one."""
+    if isinstance(value, str):
+        return [part.strip() for part in value.strip("[]").split(",") if part.strip()]
+    return value
+
+
+def _argument_type(hint):
+    """An EngineConfig field's type as an app argument (optional; list fields also from "a,b")."""
+    args = typing.get_args(hint)
+    is_tuple = typing.get_origin(hint) is tuple or any(typing.get_origin(a) is tuple for a in args)
+    return Annotated[Optional[hint], BeforeValidator(_comma_list)] if is_tuple else Optional[hint]
+
+
 def _engine_arguments() -> dict[str, tuple]:
     """Every EngineConfig field not already an app argument, as an optional one (None: the engine's
     default). EngineConfig validates the values and names the field; pydantic only checks the types."""
     hints = typing.get_type_hints(EngineConfig)
-    return {f.name: (Optional[hints[f.name]], None) for f in dataclasses.fields(EngineConfig)
+    return {f.name: (_argument_type(hints[f.name]), None) for f in dataclasses.fields(EngineConfig)
             if f.name not in _AppArgs.model_fields and f.name not in _SET_BY_APP}
 
 
@@ -149,7 +179,9 @@ def build_app(args: AppArgs | dict) -> Application:
     engine_cpus = {"num_engine_replicas": args.num_replicas, "num_threads": config.num_threads} if pin else None
     controller = Controller.options(ray_actor_options={"num_cpus": 0}).bind(
         config, interval_s=args.control_interval_s, retry_after_s=args.retry_after_s,
-        model=args.served_model_name or args.model, mirror_metrics=args.mirror_metrics, engine_cpus=engine_cpus)
+        model=args.served_model_name or args.model, mirror_metrics=args.mirror_metrics, engine_cpus=engine_cpus,
+        prediction={"horizon_s": args.forecast_horizon_s, "history_s": args.forecast_history_s,
+                    "admission_share": args.predictive_admission_share} if args.predictive_control else None)
     engine = EngineReplica.options(
         num_replicas=args.num_replicas,
         ray_actor_options={"num_cpus": args.num_cpus_per_replica, "num_gpus": args.num_gpus_per_replica},
@@ -173,6 +205,7 @@ def build_app(args: AppArgs | dict) -> Application:
         max_wait_s=policy_kwargs(args, config).get("max_wait_time", MAX_WAIT_S),
         service_classes=args.service_classes, default_service_class=args.default_service_class,
         poll_interval_s=min(0.25, args.control_interval_s),
-        tracing_exporter=args.tracing_exporter, mirror_metrics=args.mirror_metrics, engine_cpus=engine_cpus)
+        tracing_exporter=args.tracing_exporter, mirror_metrics=args.mirror_metrics, engine_cpus=engine_cpus,
+        api_keys=resolve_keys(args.api_keys), max_request_body_bytes=args.max_request_body_bytes)
     return Router.options(num_replicas=args.num_routers, ray_actor_options={"num_cpus": args.num_cpus_per_router}
                           ).bind(engine, controller, router_options)

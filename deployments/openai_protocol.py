@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -50,6 +50,10 @@ def from_validation_error(exc: ValidationError) -> APIError:
     return APIError(f"{param or 'body'}: {first['msg']}{more}", param=param)
 
 
+# Every integer field within int64: a larger one would overflow the engine's and numpy's arrays.
+Int64 = Annotated[int, Field(ge=-2**63, le=2**63 - 1)]
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     include_usage: bool = False
@@ -61,15 +65,15 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     model: str
-    max_tokens: int | None = None
+    max_tokens: Int64 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
-    min_tokens: int = 0
-    seed: int | None = None
+    top_k: Int64 | None = None
+    min_tokens: Int64 = 0
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    n: int = 1
+    stop_token_ids: list[Int64] | None = None
+    n: Int64 = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM extension
@@ -81,7 +85,7 @@ class _SamplingFields(BaseModel):
     # ``service_class`` names one of the app's classes (``service_classes.py``); the other three, when
     # given, override that class's values.
     service_class: str | None = None
-    priority: int | None = None
+    priority: Int64 | None = None
     ttft_slo_ms: float | None = None
     tbt_slo_ms: float | None = None
 
@@ -127,10 +131,10 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[int], list[str], list[list[int]]]
+    prompt: Union[str, list[Int64], list[str], list[list[Int64]]]
     echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
+    logprobs: Int64 | None = None
+    best_of: Int64 | None = None
     suffix: str | None = None
 
     def single_prompt(self) -> str | list[int]:
@@ -172,7 +176,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool = False
     tools: list | None = None
 
@@ -201,14 +205,24 @@ def parse_request(cls: type[_SamplingFields], raw: bytes | dict) -> _SamplingFie
     if isinstance(raw, (bytes, str)):
         try:
             raw = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except RecursionError:
+            raise APIError("body: JSON nested too deeply") from None
+        except ValueError as exc:  # JSONDecodeError, invalid UTF-8, an integer of over 4,300 digits
             raise APIError(f"body: not valid JSON ({exc})") from None
     if not isinstance(raw, dict):
         raise APIError("body: must be a JSON object")
     try:
+        json.dumps(raw, ensure_ascii=False).encode()
+    except UnicodeEncodeError:  # JSON's "\\ud800" escapes decode to lone surrogates, which are not text
+        raise APIError("body: a string is not valid Unicode (a lone surrogate)") from None
+    except (TypeError, ValueError):  # a handle caller's dict with values JSON does not have: the model says
+        pass
+    try:
         request = cls.model_validate(raw)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
+    except RecursionError:  # a field that takes any JSON (logit_bias) nested thousands deep
+        raise APIError("body: JSON nested too deeply") from None
     request.check_supported()
     return request
 
@@ -261,3 +275,21 @@ def chunk(request_id: str, model: str, created: int, *, chat: bool, text: str | 
 
 def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+# OpenAPI ------------------------------------------------------------------------------------------
+def openapi_body(cls: type[BaseModel]) -> dict:
+    """The route's ``openapi_extra``: the request model as its JSON body. The routes read the raw body
+    (to answer every bad one with an OpenAI error, not FastAPI's 422), so FastAPI cannot see the model;
+    this puts it in ``/openapi.json`` for clients and for the schema-driven fuzz test."""
+    schema = cls.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node):
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return inline(defs[node["$ref"].rsplit("/", 1)[-1]])
+            return {k: inline(v) for k, v in node.items()}
+        return [inline(v) for v in node] if isinstance(node, list) else node
+
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}

@@ -6,7 +6,8 @@ One request's way through it:
    the ``x-service-class`` header, tokenising, context checks, the ``EngineRequest`` and its admission
    ticket), so that every bad input is a 4xx before any engine sees it;
 2. refuse with 503 + ``Retry-After`` while the controller has closed admission (heavy watermark);
-3. wait for an in-flight slot in the score-ordered admission queue (429 when that line is full);
+3. wait for an in-flight slot in the score-ordered admission queue (429 when that line is full; the
+   controller narrows the slots to ``admission_limit`` of them while it forecasts a peak over heavy);
 4. stream ``StreamItem``s from an engine replica (``FitAwareRequestRouter`` picks it) and assemble them
    into OpenAI responses or server-sent events ending with ``data: [DONE]`` (``responses.py``).
 
@@ -14,7 +15,8 @@ The first item is awaited before the HTTP status is sent, so an engine that refu
 gives a 4xx. A client that disconnects cancels this request; Serve cancels the engine call with it,
 which aborts the request in the engine and frees its pages.
 
-Observability: the router times TTFT as the client sees it (request received -> first token handed
+Every poll of the controller carries the requests received since the previous one (``ArrivalCount``),
+which its traffic predictor learns from. Observability: the router times TTFT as the client sees it (request received -> first token handed
 on) and subtracts the engine's own TTFT (sent with the first item) to get the time spent in the Serve
 path; it counts the requests it refuses or loses (the engine counts those it finishes); with tracing
 on it opens a "router.request" span per request and sends its context along, so the engine's span
@@ -32,7 +34,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
 from opentelemetry.propagate import inject
-from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveFloat, PositiveInt
+from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveFloat, PositiveInt, SecretStr
 from ray import serve
 from ray.exceptions import RayError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -42,14 +44,15 @@ from apt_serve_ray.observability.metrics import NO_SERVICE_CLASS
 from apt_serve_ray.observability.tracing import configure_tracing, finished_spans
 from apt_serve_ray.scheduler.value import MAX_WAIT_S, ValueWeights
 from deployments import openai_protocol as oai
-from deployments import responses
+from deployments import auth, responses
 from deployments.admission import ADMISSION_WEIGHTS, AdmissionQueue, QueueFull
 from deployments.affinity import keep_off_engine_cpus
 from deployments.metrics import RouterMetrics, make_backend, snapshot
+from deployments.request_body import MAX_REQUEST_BODY_BYTES, read_body
 from deployments.preparation import ModelLimits, Prepared, RequestPreparer
 from deployments.service_classes import DEFAULT_SERVICE_CLASS, HEADER, SERVICE_CLASSES, ServiceClass, ServiceClasses
 from deployments.streaming import coalesced
-from deployments.wire import ControllerState, EngineRequest, InvalidRequest, StreamItem
+from deployments.wire import ArrivalCount, ControllerState, EngineRequest, InvalidRequest, StreamItem
 
 logger = logging.getLogger("ray.serve")
 
@@ -78,6 +81,8 @@ class RouterOptions(BaseModel):
     tracing_exporter: Literal["none", "console", "otlp", "memory"] = "none"
     mirror_metrics: bool = False
     engine_cpus: Optional[dict] = None  # CPUs kept for the engines (``affinity.keep_off_engine_cpus``)
+    api_keys: tuple[SecretStr, ...] = ()  # none: no auth (``auth.py``); SecretStr: never in a repr or log
+    max_request_body_bytes: PositiveInt = MAX_REQUEST_BODY_BYTES  # larger bodies get 413
 
     @property
     def name(self) -> str:
@@ -85,6 +90,7 @@ class RouterOptions(BaseModel):
 
 
 api = FastAPI(title="apt-serve-ray", docs_url=None, redoc_url=None)
+api.add_middleware(auth.ApiKeyMiddleware)
 
 
 @api.exception_handler(StarletteHTTPException)
@@ -99,6 +105,7 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 class Router:
     async def __init__(self, engine, controller, options: RouterOptions) -> None:
         keep_off_engine_cpus(options.engine_cpus)
+        auth.install(auth.ApiKeys(options.api_keys))
         self.engine, self.controller, self.options = engine, controller, options
         self.served_model_name = options.name
         source = resolve_model(options.model)
@@ -121,14 +128,17 @@ class Router:
         self.metrics = RouterMetrics(self._metrics)
         provider = configure_tracing(options.tracing_exporter, service_name="apt-serve-router")
         self.tracer = provider.get_tracer("deployments.router") if provider is not None else None
+        # Requests received since the last poll (count, prompt tokens, output tokens): the controller's
+        # traffic predictor learns from them. Counted before admission: a refused request is demand too.
+        self._arrivals = [0, 0, 0]
         self._poller = asyncio.create_task(self._poll_controller())
 
     # HTTP -----------------------------------------------------------------------------------------
-    @api.post("/v1/completions")
+    @api.post("/v1/completions", openapi_extra=oai.openapi_body(oai.CompletionRequest))
     async def http_completions(self, request: Request):
         return await self._http(request, chat=False)
 
-    @api.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions", openapi_extra=oai.openapi_body(oai.ChatCompletionRequest))
     async def http_chat(self, request: Request):
         return await self._http(request, chat=True)
 
@@ -145,9 +155,14 @@ class Router:
             await asyncio.wait_for(self.engine.check_health.remote(), timeout=10)
         except Exception as exc:  # noqa: BLE001 - any failure means "not ready"
             return JSONResponse({"status": "unhealthy", "reason": repr(exc)}, status_code=503)
+        state = self.state
         return {"status": "ok", "admission_open": self.is_admission_open(),
                 "engine_replicas": len(self.known_replicas()),
-                "requests_in_flight": self.admission.num_in_flight, "requests_waiting": self.admission.num_waiting}
+                "requests_in_flight": self.admission.num_in_flight, "requests_waiting": self.admission.num_waiting,
+                "admission_limit": state.admission_limit if state is not None else 1.0,
+                "pressured_replicas": sorted(r for r, k in state.knobs.items() if k.is_pressured) if state else [],
+                "forecast": state.forecast.to_dict() if state is not None and state.forecast is not None else None,
+                "forecast_usage": state.forecast_usage if state is not None else None}
 
     @api.get("/v1/debug/memory_timeline")
     async def http_memory_timeline(self, replica: str | None = None, format: str = "png"):
@@ -169,7 +184,9 @@ class Router:
 
     async def _http(self, request: Request, chat: bool):
         try:
-            prepared = await self.prepare(await request.body(), chat, request.headers.get(HEADER))
+            self._refuse_if_saturated()
+            body = await read_body(request, self.options.max_request_body_bytes)
+            prepared = await self.prepare(body, chat, request.headers.get(HEADER))
             items = self._generate(prepared)
             first = await anext(items)
         except oai.APIError as exc:
@@ -251,19 +268,32 @@ class Router:
 
     async def _poll_controller(self) -> None:
         while True:
+            counts, self._arrivals = self._arrivals, [0, 0, 0]
             try:
-                self.state = await asyncio.wait_for(self.controller.get_state.remote(), timeout=5)
+                arrivals = ArrivalCount(self.replica_id, *counts) if counts[0] else None
+                self.state = await asyncio.wait_for(self.controller.get_state.remote(arrivals), timeout=5)
                 self.state_time = time.monotonic()
+                limit = max(1, round(self.options.max_in_flight * self.state.admission_limit))
+                if limit != self.admission.max_in_flight:
+                    self.admission.resize(limit)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - keep serving on the last known state
+                self._arrivals = [a + b for a, b in zip(self._arrivals, counts)]  # send them with the next poll
                 logger.warning("router: controller poll failed: %r", exc)
             await asyncio.sleep(self.options.poll_interval_s)
+
+    def _count_arrival(self, request: EngineRequest) -> None:
+        horizon = self.options.output_horizon_tokens
+        self._arrivals[0] += 1
+        self._arrivals[1] += request.num_prompt_tokens or 0
+        self._arrivals[2] += min(request.max_tokens or horizon, horizon)
 
     # Admission and the engine call ----------------------------------------------------------------
     async def _generate(self, prepared: Prepared):
         """Engine items for one request, after admission, in a "router.request" span when tracing."""
         span, request = None, prepared.request
+        self._count_arrival(request)
         if self.tracer is not None:
             span = self.tracer.start_span("router.request", attributes={
                 "request.id": prepared.request_id, "request.service_class": request.service_class or NO_SERVICE_CLASS})
@@ -285,18 +315,35 @@ class Router:
                 span.set_attribute("request.outcome", outcome)
                 span.end()
 
+    def _closed(self) -> oai.APIError:
+        return oai.APIError("the server is at its memory limit and admits no new requests; retry later",
+                            status=503, type="server_overloaded", code="admission_closed",
+                            retry_after_s=self.retry_after_s())
+
+    def _queue_full(self, why: str) -> oai.APIError:
+        return oai.APIError(f"too many requests are waiting: {why}; retry later", status=429,
+                            type="rate_limit_exceeded", code="queue_full", retry_after_s=self.retry_after_s())
+
+    def _refuse_if_saturated(self) -> None:
+        """Refuse an HTTP request before its body is read, parsed and tokenised when it would be refused
+        anyway: under overload the router's CPU then goes to the requests it can take, and a refusal
+        comes back at once instead of after the backlog (measured: docs/benchmarks.md, "Reliability")."""
+        error = self._closed() if not self.is_admission_open() else (
+            self._queue_full(f"{self.admission.num_waiting} requests are already waiting for admission")
+            if self.admission.is_full else None)
+        if error is not None:
+            self._arrivals[0] += 1  # demand for the controller's predictor too (its tokens are not read)
+            self.metrics.outcome("rejected")
+            raise error
+
     async def _admitted_items(self, prepared: Prepared, request: EngineRequest, span):
         """Engine items for one request, after admission. Raises APIError before the first item."""
         if not self.is_admission_open():
-            raise oai.APIError("the server is at its memory limit and admits no new requests; retry later",
-                               status=503, type="server_overloaded", code="admission_closed",
-                               retry_after_s=self.retry_after_s())
+            raise self._closed()
         try:
             await self.admission.acquire(prepared.ticket)
         except QueueFull as exc:
-            raise oai.APIError(f"too many requests are waiting: {exc}; retry later", status=429,
-                               type="rate_limit_exceeded", code="queue_full",
-                               retry_after_s=self.retry_after_s()) from None
+            raise self._queue_full(str(exc)) from None
         if span is not None:
             span.add_event("admitted")
         started = finished = False

@@ -106,6 +106,25 @@ async def test_a_caller_that_leaves_the_line_gives_its_place_up():
     assert queue.num_in_flight == 1
 
 
+@pytest.mark.asyncio
+async def test_is_full_says_in_advance_that_the_next_request_gets_queue_full():
+    from deployments.admission import QueueFull
+
+    queue = AdmissionQueue(max_in_flight=1, max_queued=1)
+    assert not queue.is_full
+    await queue.acquire(Ticket(1, 10.0))
+    assert not queue.is_full  # one more may wait
+    waiter = asyncio.create_task(queue.acquire(Ticket(1, 10.0)))
+    await asyncio.sleep(0)
+    assert queue.is_full
+    with pytest.raises(QueueFull):
+        await queue.acquire(Ticket(1, 10.0))
+    queue.release()
+    await asyncio.wait_for(waiter, 1)
+    assert not queue.is_full
+    assert AdmissionQueue(max_in_flight=1, max_queued=0).is_full is False  # a free slot: admitted at once
+
+
 def test_admission_defaults_are_the_engines_value_model():
     assert isinstance(ADMISSION_WEIGHTS, ValueWeights)
     assert ADMISSION_WEIGHTS == ValueWeights() == AdaptiveScheduler().weights
@@ -129,3 +148,19 @@ def test_the_app_argument_is_validated_by_the_one_weights_type():
                        ({"urgency_weight": 1}, "urgency_weight")):
         with pytest.raises(ValidationError, match=field):
             AppArgs(admission_weights=bad)
+
+
+@pytest.mark.asyncio
+async def test_a_tightened_limit_holds_new_requests_and_a_relaxed_one_lets_them_through():
+    queue = AdmissionQueue(max_in_flight=4, max_queued=10)
+    for _ in range(2):
+        await queue.acquire(Ticket(1, 10.0))
+    queue.resize(2)  # the controller forecasts a peak over the heavy watermark
+    waiting = asyncio.create_task(queue.acquire(Ticket(1, 10.0)))
+    await asyncio.sleep(0)
+    assert not waiting.done() and queue.num_waiting == 1
+    queue.resize(4)  # relaxed: the waiting request goes in at once, no release needed
+    await asyncio.wait_for(waiting, 1)
+    assert queue.num_in_flight == 3
+    with pytest.raises(ValueError, match="max_in_flight"):
+        queue.resize(0)

@@ -117,3 +117,13 @@ def test_the_shipped_service_classes_and_the_default_one():
     assert args.default_service_class == "default" == AppArgs.model_validate({}).default_service_class
     own = AppArgs.model_validate({"service_classes": {"gold": {"priority": -1}}, "default_service_class": "gold"})
     assert own.service_classes == {"gold": ServiceClass(priority=-1)}  # replaces the shipped ones
+
+
+def test_list_arguments_also_take_the_comma_separated_strings_serve_run_passes():
+    from deployments.app import AppArgs
+
+    args = AppArgs.model_validate({"cache_kinds": "[hidden,kv-int8]", "cpu_affinity": "0,1"})
+    assert args.engine_config().cache_kinds == ("hidden", "kv-int8") and args.cpu_affinity == (0, 1)
+    assert AppArgs.model_validate({"cache_kinds": ["kv-int8"]}).engine_config().cache_kinds == ("kv-int8",)
+    with pytest.raises(ValueError, match="cache_kinds"):
+        AppArgs.model_validate({"cache_kinds": "fp8"}).engine_config()

@@ -23,6 +23,13 @@ from deployments.wire import StreamItem
     ({"model": "m", "prompt": "x", "echo": True}, "echo"),
     ({"model": "m", "prompt": ["a", "b"]}, "prompt"),
     ({"model": "m", "prompt": "x", "tbt_slo_ms": 0}, "tbt_slo_ms"),
+    # Hostile input: each a 400, never an exception out of the router (a 500).
+    (b"[" * 100_000 + b"]" * 100_000, None),  # nested past the parser's recursion limit
+    (b'{"model": "m", "prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", None),  # over Python's 4,300 digits
+    (b'{"model": "m", "prompt": "\xff"}', None),  # not UTF-8
+    (b'{"model": "m", "prompt": "\\ud800"}', None),  # a lone surrogate
+    ({"model": "m", "prompt": "x", "priority": 2**63}, "priority"),  # beyond int64
+    ({"model": "m", "prompt": [1, -2**64]}, "prompt"),
 ])
 def test_bad_completion_requests_name_the_field(raw, param):
     with pytest.raises(oai.APIError) as info:
@@ -124,3 +131,24 @@ async def test_closing_coalesced_closes_its_source():
     await anext(stream)
     await stream.aclose()
     assert closed.is_set()
+
+
+def test_openapi_describes_the_request_bodies_without_refs():
+    body = oai.openapi_body(oai.ChatCompletionRequest)["requestBody"]["content"]["application/json"]["schema"]
+    assert "$ref" not in repr(body) and "$defs" not in body
+    assert body["properties"]["messages"]["items"]["properties"]["role"]["enum"][0] == "system"
+
+
+def test_api_keys_accept_any_configured_key_and_nothing_else():
+    from deployments.auth import ApiKeys, resolve_keys
+
+    keys = ApiKeys(resolve_keys(["sk-one", "sk-two"]))
+    assert keys.is_valid("Bearer sk-one") and keys.is_valid("bearer sk-two")
+    assert not any(keys.is_valid(h) for h in (None, "", "Bearer", "Bearer sk-on", "Bearer sk-one2", "Basic sk-one",
+                                              "sk-one", "Bearer \u00e9"))
+    assert keys.check("/health", None) is None
+    error = keys.check("/v1/models", "Bearer nope")
+    assert error.status == 401 and error.body()["error"]["code"] == "invalid_api_key"
+    assert ApiKeys().is_valid(None)  # no keys: no auth
+    with pytest.raises(ValueError, match="api_keys"):
+        resolve_keys(["sk-one", ""])
