@@ -93,13 +93,31 @@ MODES = {
 
 
 # Engines -----------------------------------------------------------------------------------------
+ALL_KINDS = ("hidden", "kv-int8", "hidden-int8")
+
+
+def cache_options(name: str) -> dict:
+    """Cache kinds and ceiling per policy name. ``apt`` / ``apt-kv``: cache_ratio 0 (KV pages only: the
+    ceiling admits no compressed page); ``apt-all[@R]``: every compressed kind under the ceiling R
+    (default 0.5); ``sarathi-int8[@R]``: sarathi giving new requests kv-int8 pages while under R."""
+    base, _, ratio = name.partition("@")
+    if base == "apt-all":
+        return dict(cache_kinds=ALL_KINDS, cache_ratio=float(ratio or 0.5))
+    if base == "sarathi-int8":
+        return dict(cache_kinds=("kv-int8",), cache_ratio=float(ratio or 0.5))
+    return dict(cache_ratio=0.0, enable_hybrid_cache=name == "apt")
+
+
+def policy_of(name: str) -> str:
+    return "apt" if name.startswith("apt") else name.partition("@")[0].removesuffix("-int8")
+
+
 def build_engine(name: str, path: str, args) -> LLM:
     is_apt = name.startswith("apt")
-    return LLM(path, policy="apt" if is_apt else name, calibrate_rho=is_apt, dtype="bfloat16",
+    return LLM(path, policy=policy_of(name), calibrate_rho=is_apt, dtype="bfloat16",
                num_pages=args.num_pages, max_model_len=args.max_model_len,
                max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-               num_threads=args.threads, cache_ratio=0.0, enable_watermarks=False,
-               enable_hybrid_cache=name == "apt")
+               num_threads=args.threads, enable_watermarks=False, **cache_options(name))
 
 
 class EngineRunner:
@@ -120,7 +138,11 @@ class EngineRunner:
         if not hasattr(policy, "rho"):
             return None
         m = getattr(policy, "step_model", None)
+        costs = policy.costs
         return {"rho_s_per_page": policy.rho, "hidden_allowed": self.llm.llm_engine.hidden_allowed,
+                "kind_s_per_page": {k.value: s for k, s in costs.kind_costs},
+                "unavailable": [k.value for k in costs.unavailable],
+                "offered": [k.value for k in self.llm.llm_engine.compressed_kinds],
                 "step_model": None if m is None else {"a": m.a, "b": m.b, "c": m.c, "r2": m.r2,
                                                       "hidden_s_per_token": m.hidden_seconds_per_token}}
 
@@ -143,9 +165,9 @@ class SimulatedRunner:
 
     def run(self, trace, slo: dict, args, desc: str, run_id: str):
         name, is_apt = self.name, self.name.startswith("apt")
-        config = EngineConfig(policy="apt" if is_apt else name, calibrate_rho=False, enable_watermarks=False,
+        config = EngineConfig(policy=policy_of(name), calibrate_rho=False, enable_watermarks=False,
                               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                              enable_hybrid_cache=name == "apt")
+                              **cache_options(name))
         policy = AdaptiveScheduler(config=config, rho=SIM_RHO, step_model=SIM_COST) if is_apt else None
         sim = SimulatedEngine(config, layout=MHA_LAYOUT, num_pages=args.num_pages, cost=SIM_COST, policy=policy,
                               max_model_len=args.max_model_len)
@@ -215,7 +237,8 @@ def _mean_attainment(runs: list[dict]) -> list[tuple[float, float]]:
 def _print_run(rate: float, name: str, s: dict, wall_s: float) -> None:
     print(f"  {rate:5.2f} req/s {name:9s} attain {100 * s['slo_attainment']:5.1f}%  "
           f"miss ttft/tbt {s['ttft_misses']:2d}/{s['tbt_misses']:2d}  preempt {s['num_preemptions']:3d} "
-          f"{s['preempt_causes'] or ''}  peak kv/hid {s['peak_pages']['kv']:3d}/{s['peak_pages']['hidden']:3d}  "
+          f"{s['preempt_causes'] or ''}  peak kv/hid/int8 {s['peak_pages']['kv']:3d}/{s['peak_pages']['hidden']:3d}/"
+          f"{s['peak_pages'].get('kv-int8', 0) + s['peak_pages'].get('hidden-int8', 0):3d}  "
           f"ttft mean {s['mean_ttft_ms']:6.0f} p99 itl {s['p99_itl_ms']:5.0f} ms  "
           f"unfinished {s['num_unfinished']}  {wall_s:4.0f}s", flush=True)
 
@@ -227,7 +250,9 @@ def _plots(workload, attainment, results, rates, slo, args) -> None:
     top = rates[-1]  # the highest rate: where the policies differ most
     plots.plot_latency_cdfs({p: results[(p, top)].timelines for p in attainment}, args.out_dir / f"cdf_{tag}.png",
                             title=f"{workload} at {top:g} req/s", ttft_slo_ms=slo["ttft_ms"], tbt_slo_ms=slo["tbt_ms"])
-    apt = "apt" if "apt" in attainment else next(iter(attainment))
+    # The memory timeline of the adaptive policy with the most kinds on offer (else the first policy).
+    apt = next((q for p in ("apt-all", "apt", "apt-kv") for q in attainment if q.partition("@")[0] == p),
+               next(iter(attainment)))
     run = results[(apt, top)]
     run.plot_memory_timeline(args.out_dir / f"memory_{tag}_{apt}.png", title=f"{workload} at {top:g} req/s, {apt}")
 
@@ -290,9 +315,10 @@ def main(argv=None) -> int:
     for key in ("num_requests", "max_model_len", "max_output_len", "num_pages"):
         if getattr(args, key) is None:
             setattr(args, key, MODES[args.mode][key])
-    unknown = set(args.policies) - set(DEFAULT_POLICIES)
+    unknown = {p for p in args.policies if p.partition("@")[0] not in (*DEFAULT_POLICIES, "apt-all", "sarathi-int8")}
     if unknown:
-        ap.error(f"--policies: unknown {sorted(unknown)}; valid: {list(DEFAULT_POLICIES)}")
+        ap.error(f"--policies: unknown {sorted(unknown)}; valid: {list(DEFAULT_POLICIES)}, apt-all[@RATIO], "
+                 "sarathi-int8[@RATIO]")
     if args.slo_scale is not None and not args.slo_scale > 0:
         ap.error("--slo-scale: must be > 0")
     logging.basicConfig(level=logging.WARNING, format="%(message)s")

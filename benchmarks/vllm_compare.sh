@@ -5,6 +5,9 @@
 #   PEER=/path/to/vllm-peer bash benchmarks/vllm_compare.sh [probe|sweep|all] [dtype] [threads]
 #   SERVERS=ours (or vllm) runs one side only and keeps the other's results in the JSON; RUN=2 labels a
 #   repeat run apart from the first (the machines are noisy: repeat before concluding).
+#   VLLM_ARGS / OURS_ARGS: extra server arguments (e.g. VLLM_ARGS="--kv-cache-dtype fp8",
+#   OURS_ARGS="cache_kinds=[hidden,kv-int8,hidden-int8] cache_ratio=0.5"), TAG: a label suffix for them;
+#   WORKLOADS="longbench" sweeps one workload only.
 #
 # PEER holds vLLM's venv and its vllm-cli wrapper (../shared/tools/vllm-peer/README.md says how to
 # make it). probe: single-stream TTFT/TPOT and saturated tok/s (~3 min per server); sweep: SLO
@@ -23,7 +26,8 @@ $PY -c "import sys; from apt_serve_ray.checkpoints import make_random_checkpoint
 OUT=docs/benchmarks/compare
 mkdir -p "$OUT"
 short=${dtype/bfloat16/bf16}; short=${short/float32/fp32}
-run=${RUN:+-$RUN}  # RUN=2: labels of a repeat run, kept beside the first
+run=${RUN:+-$RUN}${TAG:+-$TAG}  # RUN=2: labels of a repeat run, kept beside the first
+workloads=${WORKLOADS:-sharegpt longbench}
 
 wait_up() {  # port
     for _ in $(seq 1 120); do
@@ -57,10 +61,12 @@ client() {  # port label extra-args...
             --json "$OUT/compare.json" --disable-tqdm "$@"
     fi
     if [ "$what" = sweep ] || [ "$what" = all ]; then
+        case " $workloads " in *" sharegpt "*)
         $PY benchmarks/peer_sweep.py --base-url "http://127.0.0.1:$port" --label "$label" --workloads sharegpt \
-            --rates 1 2 3 4 6 --json "$OUT/compare.json" --disable-tqdm "$@"
+            --rates 1 2 3 4 6 --json "$OUT/compare.json" --disable-tqdm "$@";; esac
+        case " $workloads " in *" longbench "*)
         $PY benchmarks/peer_sweep.py --base-url "http://127.0.0.1:$port" --label "$label" --workloads longbench \
-            --rates 0.3 0.6 0.9 1.2 1.8 --json "$OUT/compare.json" --out-dir "$OUT" --disable-tqdm "$@"
+            --rates 0.3 0.6 0.9 1.2 1.8 --json "$OUT/compare.json" --out-dir "$OUT" --disable-tqdm "$@";; esac
     fi
 }
 
@@ -73,7 +79,7 @@ wait_free 8100
 HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=$binds \
     "$PEER/venv/bin/python" "$PEER/vllm-cli" serve "$CKPT" --served-model-name opt-125m --max-model-len 1024 \
     --dtype "$dtype" --no-enable-prefix-caching --block-size 32 --num-gpu-blocks-override 189 \
-    --max-num-batched-tokens 512 --max-num-seqs 64 --port 8100 > "/tmp/vllm_compare_vllm.log" 2>&1 &
+    --max-num-batched-tokens 512 --max-num-seqs 64 --port 8100 ${VLLM_ARGS:-} > "/tmp/vllm_compare_vllm.log" 2>&1 &
 pid=$!
 wait_up 8100 && client 8100 "vllm-$short-${threads}t$run" || true
 stop $pid
@@ -86,7 +92,7 @@ wait_free 8000
 .venv/bin/serve run deployments.app:build_app model="$CKPT" served_model_name=opt-125m dtype="$dtype" \
     num_threads="$threads" num_pages=378 max_model_len=1024 max_num_seqs=64 max_num_batched_tokens=512 \
     policy=apt light_watermark=1.0 heavy_watermark=1.0 default_ttft_slo_ms=4000 default_tbt_slo_ms=1000 \
-    > "/tmp/vllm_compare_ours.log" 2>&1 &
+    ${OURS_ARGS:-} > "/tmp/vllm_compare_ours.log" 2>&1 &
 pid=$!
 wait_up 8000 && client 8000 "apt-serve-$short-${threads}t$run" --baseline "vllm-$short-${threads}t$run" || true
 stop $pid

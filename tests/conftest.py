@@ -38,6 +38,17 @@ def llama_tiny(checkpoint) -> str:
     return checkpoint("llama-tiny")
 
 
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    """Torch's thread count for one test (kernels split work across threads), restored after."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The real default model (SmolLM2-135M-Instruct, float32), loaded once per session."""

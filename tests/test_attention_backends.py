@@ -20,14 +20,6 @@ pytestmark = pytest.mark.skipif(not ca.is_available(), reason="the C++ CPU atten
 LENGTHS = [1, 15, 16, 17, 63, 100, 250]  # inside, at and across page boundaries
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def _table(lens, tokens_per_page, num_pages, g):
     max_pages = max((n + tokens_per_page - 1) // tokens_per_page for n in lens)
     return torch.stack([torch.randperm(num_pages, generator=g)[:max_pages] for _ in lens]).to(torch.int32)

@@ -14,6 +14,7 @@ import torch
 from apt_serve_ray import LLM, HybridCacheLLM, SamplingParams
 from apt_serve_ray.request import CacheKind
 from apt_serve_ray.scheduler.policies.sarathi import SarathiPolicy
+from policy_helpers import UpgradeAt
 
 PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=20)
 
@@ -107,20 +108,6 @@ class _PinnedKinds(SarathiPolicy):
         return CacheKind.HIDDEN if request.request_id.startswith("h") else CacheKind.KV
 
 
-class _UpgradeAt(SarathiPolicy):
-    """Sarathi, but upgrades every running hidden request to KV once it has ``at`` output tokens."""
-
-    def __init__(self, at: int):
-        super().__init__()
-        self.at = at
-
-    def schedule(self, ctx):
-        for r in list(ctx.running):
-            if r.kind is CacheKind.HIDDEN and r.num_output_tokens >= self.at:
-                assert ctx.upgrade(r)
-        super().schedule(ctx)
-
-
 @pytest.mark.parametrize("shape", ["opt-tiny", "llama-tiny"])
 def test_in_place_upgrade_mid_generation_continues_identically(checkpoint, shape):
     path = checkpoint(shape)
@@ -128,7 +115,7 @@ def test_in_place_upgrade_mid_generation_continues_identically(checkpoint, shape
     never = _run(path, 1.0, prompts)
     llm = LLM(path, dtype="float32", num_pages=400, cache_ratio=1.0, enable_watermarks=False, max_num_batched_tokens=64,
               policy="sarathi")
-    llm.set_scheduler(_UpgradeAt(at=7))
+    llm.set_scheduler(UpgradeAt(at=7))
     upgraded = llm.generate(prompts, PARAMS)
     assert all(o.metrics.num_upgrades == 1 and o.metrics.cache_kind == "kv" for o in upgraded)
     _assert_same(never, upgraded)

@@ -24,6 +24,7 @@ from apt_serve_ray.cache.storage import CacheStorage
 from apt_serve_ray.request import CacheKind
 from apt_serve_ray.scheduler.output import ScheduledChunk
 from apt_serve_ray.scheduler.policies.sarathi import SarathiPolicy
+from policy_helpers import UpgradeAt
 
 INT8 = (CacheKind.KV_INT8, CacheKind.HIDDEN_INT8)
 ALL_KINDS = ("hidden", "kv-int8", "hidden-int8")
@@ -199,20 +200,6 @@ def test_mixed_batches_of_all_four_kinds_match_each_request_alone(opt_tiny, back
 
 
 # 4. Upgrades to KV -------------------------------------------------------------------------------
-class _UpgradeAt(SarathiPolicy):
-    """Sarathi, but upgrades every running compressed request to KV once it has ``at`` output tokens."""
-
-    def __init__(self, at: int):
-        super().__init__()
-        self.at = at
-
-    def schedule(self, ctx):
-        for r in list(ctx.running):
-            if r.kind.is_compressed and r.num_output_tokens >= self.at:
-                assert ctx.upgrade(r)
-        super().schedule(ctx)
-
-
 @pytest.mark.parametrize("kind", ["kv-int8", "hidden-int8"])
 @pytest.mark.parametrize("shape", ["opt-tiny", "llama-tiny"])
 def test_upgrade_from_int8_writes_the_dequantised_kv_and_generation_continues(checkpoint, shape, kind):
@@ -243,7 +230,7 @@ def test_upgrade_from_int8_writes_the_dequantised_kv_and_generation_continues(ch
     prompts = _prompts(3, seed=5, lo=20, hi=100)
     never = _llm(path, cache_kinds=(kind,)).generate(prompts, PARAMS)
     llm = _llm(path, cache_kinds=(kind,))
-    llm.set_scheduler(_UpgradeAt(at=6))
+    llm.set_scheduler(UpgradeAt(at=6))
     upgraded = llm.generate(prompts, PARAMS)
     for a, b in zip(never, upgraded):
         assert a.metrics.cache_kind == kind and b.metrics.cache_kind == "kv" and b.metrics.num_upgrades == 1

@@ -21,14 +21,6 @@ pytestmark = pytest.mark.skipif(not ca.is_available(), reason="the C++ CPU atten
 NUM_PAGES = 40
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def _storage(kv_heads, dim, hid, dtype):
     layout = CacheLayout(num_layers=1, num_kv_heads=kv_heads, head_dim=dim, hidden_size=hid, block_size=16,
                          dtype_bytes=torch.finfo(dtype).bits // 8)

@@ -44,6 +44,7 @@ def app(serve_url, greedy_opt_tiny):
     serve.run(build_app({
         "model": greedy_opt_tiny, "num_replicas": 2, "num_pages": NUM_PAGES, "num_threads": 1, "max_num_seqs": 16,
         "num_cpus_per_replica": 0.5, "light_watermark": 0.6, "heavy_watermark": 0.85, "max_hidden_ratio": 0.5,
+        "cache_kinds": ["hidden", "kv-int8"],  # at rest the ceiling is 0: outputs exact, pages KV
         "control_interval_s": 0.1, "retry_after_s": 1, "routing_stats_period_s": 0.5, "health_check_period_s": 1,
     }), name=APP, route_prefix="/")
     wait_until(lambda: len(controller_state().replicas) == 2, "both engine replicas report")
@@ -358,6 +359,11 @@ def test_controller_applies_the_watermarks_cluster_wide(client, app):
                        "the router refuses", timeout=10)
         assert r.headers["retry-after"] == "1"
         assert assert_openai_error(r, 503)["code"] == "admission_closed"
+        # The ceiling the controller raised is what apt chooses under: requests arriving at a full
+        # pool now get compressed pages (issue 13: cache_ratio moves apt).
+        with PressureLoad(num_requests=6, prompt_len=40, max_tokens=400):
+            wait_until(lambda: any(sum(n for kind, n in r.pages_by_kind.items() if kind != "kv") > 0
+                                   for r in replicas().values()), "apt takes compressed pages")
     # Pressure gone: admission opens again and the ratio steps back down to its base.
     wait_until(lambda: controller_state().admission_open, "admission reopens")
     wait_until(lambda: all(r.cache_ratio == 0.0 for r in replicas().values()), "the hidden ratio falls back")

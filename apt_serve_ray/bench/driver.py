@@ -184,8 +184,10 @@ def replay(llm_or_engine, trace: list[TraceRequest], *, ttft_slo_ms: float | Non
     last = max((t.finish_s for t in timelines if t.is_finished), default=start)
     duration = (max(last, end) if unfinished else last) - start
     memory = tracker.timeline()
-    kv, hidden = memory["series"].get("kv", [0]), memory["series"].get("hidden", [0])
-    peak = {"kv": max(kv), "hidden": max(hidden), "total": max(k + h for k, h in zip(kv, hidden))}
+    series = memory["series"]
+    by_kind = {k: series.get(k) or [0] for k in ("kv", "hidden", "kv-int8", "hidden-int8")}
+    peak = {k: max(v) for k, v in by_kind.items()}
+    peak["total"] = max(map(sum, zip(*(v for v in by_kind.values() if len(v) == len(by_kind["kv"])))))
     return RunResult(
         timelines, max(duration, 1e-9), pool.num_pages, sched.num_preemptions - preempt0, len(unfinished),
         sum(1 for t in unfinished if t.first_token_s is None), peak, memory, schedule_s, step_s, kinds,
