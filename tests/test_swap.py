@@ -272,3 +272,20 @@ def test_a_swapped_request_asked_for_another_kind_is_recomputed_in_it():
     assert r.kind is CacheKind.HIDDEN and not r.is_swapped and ctx.output().swap_in == []
     assert r.num_computed_tokens == 0 and ctx.output().chunks[0].num_tokens == n  # recomputed from the start
     assert sim.llm_engine.swap.num_used_slots == 0
+
+
+def test_the_tier_holds_no_more_than_its_filesystem_has_free(monkeypatch, tmp_path, caplog):
+    # A sparse file written past a full filesystem kills the process (SIGBUS on the mapping).
+    from collections import namedtuple
+    from types import SimpleNamespace
+
+    from apt_serve_ray.cache import swap as swap_module
+    from apt_serve_ray.cache.storage import CacheStorage
+
+    storage = CacheStorage(MHA_LAYOUT, 4, "cpu", {2: torch.bfloat16, 4: torch.float32}[MHA_LAYOUT.dtype_bytes])
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(swap_module.shutil, "disk_usage", lambda _: usage(0, 0, 10 * MHA_LAYOUT.bytes_per_page))
+    tier = swap_module.make_swap_space(1.0, str(tmp_path), MHA_LAYOUT, SimpleNamespace(storage=storage))
+    assert tier.num_slots == 9 and "the tier holds 9 pages" in caplog.text
+    monkeypatch.setattr(swap_module.shutil, "disk_usage", lambda _: usage(0, 0, 0))
+    assert swap_module.make_swap_space(1.0, str(tmp_path), MHA_LAYOUT, SimpleNamespace(storage=storage)) is None

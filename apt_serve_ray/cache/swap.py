@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import tempfile
 import time
 from collections import deque
@@ -73,7 +74,20 @@ def make_swap_space(swap_space_gib: float, swap_dir: str | None, layout: CacheLa
         swap = SwapSpace(layout, num_slots)
         swap.transfer = getattr(runner, "transfer_cost", None)
         return swap
-    swap = SwapSpace(layout, num_slots, device=storage.layers[0].device, swap_dir=swap_dir)
+    device = storage.layers[0].device
+    if device.type != "cuda":
+        # The file is sparse: a write past what its filesystem can hold would kill the process (SIGBUS
+        # on the mapping). Hold no more slots than the space free now, with a margin.
+        where = swap_dir or tempfile.gettempdir()
+        free = shutil.disk_usage(where).free if os.path.isdir(where) else None  # else SwapSpace names it
+        if free is not None and num_slots * layout.bytes_per_page > 0.9 * free:
+            fitting = int(0.9 * free // layout.bytes_per_page)
+            logger.warning("swap_space: %.2f GiB asked, %.2f GiB free in %s: the tier holds %d pages",
+                           swap_space_gib, free / GIB, where, fitting)
+            if fitting < 1:
+                return None
+            num_slots = fitting
+    swap = SwapSpace(layout, num_slots, device=device, swap_dir=swap_dir)
     swap.measure_bandwidth(storage)
     return swap
 
