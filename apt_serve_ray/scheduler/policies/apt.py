@@ -174,7 +174,7 @@ class AdaptiveScheduler(IterationShaper, SchedulingPolicy):
             evict_s = self._prefill_token_s() * c.num_computed[:n_run].astype(np.float64)
             transfer = getattr(getattr(self._cache, "swap", None), "transfer", None)
             if transfer is not None and self._free_swap_slots:
-                swap_s = np.array([transfer.seconds(int(m)) for m in c.num_held[:n_run]])
+                swap_s = c.num_held[:n_run] * transfer.seconds(1)  # linear in pages: one product, not a loop
                 evict_s = np.where(c.num_held[:n_run] <= self._free_swap_slots, np.minimum(evict_s, swap_s), evict_s)
             value[:n_run] += u * evict_s
         return value, (u * self.hidden_cost_steps) * c.mem_kv
