@@ -6,7 +6,12 @@ The same traces go, over HTTP (streaming), to the app deployed three ways:
   ahead, per replica and cluster-wide; ``deployments/cluster_control.py``);
 * ``reactive``: today's watermarks, per replica and cluster-wide, on memory in use only;
 * ``none``: both watermarks at 1.0, so no rule ever fires (the ratio stays at its base, admission
-  stays open, no replica is marked pressured).
+  stays open, no replica is marked pressured);
+* ``predictive-refuse`` / ``reactive-refuse`` (on request): the same with ``heavy_watermark_action``
+  "refuse" (503 at once while admission is closed) instead of the default "hold".
+
+The replicas offer ``--cache-kinds`` (serve_config.yaml's: hidden and kv-int8) with ``cache_ratio`` 0
+at rest, so what the controller's ratio lets ``apt`` take is compressed pages.
 
 Traces (``apt_serve_ray/bench/workloads.py``, one seed): Gamma arrivals at ``--rate`` with CV 1, 4
 and 8, and an on/off square wave (``--low`` / ``--high`` req/s, ``--period`` s) whose mean is about
@@ -48,6 +53,7 @@ from apt_serve_ray.predictor import TrafficPredictor, mape  # noqa: E402
 
 APP = "predictive-bench"
 MODES = ("predictive", "reactive", "none")
+ALL_MODES = MODES + ("predictive-refuse", "reactive-refuse")
 
 
 def parse_args() -> argparse.Namespace:
@@ -57,6 +63,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-output-len", type=int, default=128)
     p.add_argument("--num-pages", type=int, default=96, help="per replica")
     p.add_argument("--policy", default="apt")
+    p.add_argument("--cache-kinds", default="hidden,kv-int8", help="the replicas' cache_kinds")
     p.add_argument("--rate", type=float, default=3.0, help="mean req/s of the Gamma traces")
     p.add_argument("--low", type=float, default=1.0)
     p.add_argument("--high", type=float, default=6.0)
@@ -76,6 +83,9 @@ def parse_args() -> argparse.Namespace:
     a = p.parse_args()
     if a.quick:
         a.cvs, a.duration = "4", 80.0
+    unknown = set(a.modes.split(",")) - set(ALL_MODES)
+    if unknown:
+        p.error(f"--modes: unknown {sorted(unknown)}; choose from {ALL_MODES}")
     return a
 
 
@@ -119,8 +129,10 @@ def offline_errors(trace, horizon: float) -> dict:
 def app_args(a, model: str, mode: str) -> dict:
     args = {"model": model, "num_replicas": 2, "num_pages": a.num_pages, "num_threads": 1, "max_num_seqs": 16,
             "num_cpus_per_replica": 0.5, "policy": a.policy, "control_interval_s": 0.25,
-            "routing_stats_period_s": 0.5, "dtype": "float32"}
-    if mode == "predictive":
+            "routing_stats_period_s": 0.5, "dtype": "float32", "cache_kinds": a.cache_kinds.split(",")}
+    if mode.endswith("-refuse"):
+        args["heavy_watermark_action"] = "refuse"
+    if mode.startswith("predictive"):
         args.update(predictive_control=True, forecast_horizon_s=a.horizon,
                     predictive_admission_share=a.admission_share)
     elif mode == "none":

@@ -18,7 +18,10 @@ the policy's weights when the operator sets them (``deployments/app.py``).
 
 "Saturated" means this router already has ``max_in_flight`` requests on the engines (by default
 every replica's ``max_num_seqs``): more would only queue inside an engine, where the router could
-no longer choose the order. No Ray here, so it is tested without a cluster.
+no longer choose the order. While the queue is *held* (the controller closed admission over the
+heavy watermark and the app holds rather than refuses) no slot is granted at all: new requests wait
+in the same line, and when the hold ends they go through in score order. No Ray here, so it is
+tested without a cluster.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ class AdmissionQueue:
         self.max_in_flight, self.max_queued = max_in_flight, max_queued
         self.weights, self.slack_s, self.max_wait_s = weights, slack_s, max_wait_s
         self.num_in_flight = 0
+        self.held = False  # no slot is granted while held (``hold``)
         self._waiting: list[tuple[Ticket, asyncio.Future]] = []  # arrival order
 
     @property
@@ -71,7 +75,7 @@ class AdmissionQueue:
     def is_full(self) -> bool:
         """A new request would get ``QueueFull`` now."""
         return len(self._waiting) >= self.max_queued and (
-            self.num_in_flight >= self.max_in_flight or bool(self._waiting))
+            self.held or self.num_in_flight >= self.max_in_flight or bool(self._waiting))
 
     @contextlib.asynccontextmanager
     async def slot(self, ticket: Ticket):
@@ -84,7 +88,7 @@ class AdmissionQueue:
             self.release()
 
     async def acquire(self, ticket: Ticket) -> None:
-        if self.num_in_flight < self.max_in_flight and not self._waiting:
+        if not self.held and self.num_in_flight < self.max_in_flight and not self._waiting:
             self.num_in_flight += 1
             return
         if len(self._waiting) >= self.max_queued:
@@ -112,8 +116,13 @@ class AdmissionQueue:
         self.max_in_flight = max_in_flight
         self._grant()
 
+    def hold(self, held: bool) -> None:
+        """Hold every new slot (the requests in flight go on), or let the line move again."""
+        self.held = held
+        self._grant()
+
     def _grant(self) -> None:
-        while self._waiting and self.num_in_flight < self.max_in_flight:
+        while not self.held and self._waiting and self.num_in_flight < self.max_in_flight:
             now = time.monotonic()
             if now - self._waiting[0][0].arrival >= self.max_wait_s:
                 best = 0

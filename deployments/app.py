@@ -86,6 +86,11 @@ class _AppArgs(BaseModel):
     # Controller (deployments/cluster_control.py: the rules per replica, cluster-wide and on the forecast).
     control_interval_s: PositiveFloat = 0.5
     retry_after_s: PositiveFloat = 2.0
+    # While the controller has closed admission (summed memory over heavy_watermark): "hold" new requests
+    # in the routers' admission line until it reopens (503 + Retry-After once a request's TTFT target has
+    # passed), or "refuse" them at once with 503 + Retry-After. "hold" by default: refusing at once cost
+    # more attainment than the preemptions it spared on the on/off runs (docs/benchmarks.md, issue 14).
+    heavy_watermark_action: Literal["hold", "refuse"] = "hold"
     # With predictive_control the controller forecasts arrivals (apt_serve_ray/predictor.py) from what the
     # routers receive and acts forecast_horizon_s ahead: ratios rise, and the routers let only
     # predictive_admission_share of their in-flight slots through, before a forecast peak crosses the
@@ -206,6 +211,7 @@ def build_app(args: AppArgs | dict) -> Application:
         service_classes=args.service_classes, default_service_class=args.default_service_class,
         poll_interval_s=min(0.25, args.control_interval_s),
         tracing_exporter=args.tracing_exporter, mirror_metrics=args.mirror_metrics, engine_cpus=engine_cpus,
-        api_keys=resolve_keys(args.api_keys), max_request_body_bytes=args.max_request_body_bytes)
+        api_keys=resolve_keys(args.api_keys), max_request_body_bytes=args.max_request_body_bytes,
+        heavy_watermark_action=args.heavy_watermark_action)
     return Router.options(num_replicas=args.num_routers, ray_actor_options={"num_cpus": args.num_cpus_per_router}
                           ).bind(engine, controller, router_options)

@@ -52,6 +52,12 @@ class ControlSettings:
     # default: on the on/off smoke run 0.75 held requests at the routers and lost 14 points of
     # attainment (docs/benchmarks.md, issue 14).
     admission_share: float = 1.0
+    # The ratio falls only once the signal has stayed <= light - ratio_hysteresis for ratio_dwell
+    # control intervals in a row (it rises at once): a replica's usage swings by half its pages as
+    # requests come and go, and the plain rule moved its ratio up and down every other interval on the
+    # on/off smoke runs (docs/benchmarks.md, issue 14). The Controller sets the dwell to ~2 s.
+    ratio_hysteresis: float = 0.1
+    ratio_dwell: int = 1
 
     def __post_init__(self) -> None:
         if not self.horizon_s > 0:
@@ -60,7 +66,8 @@ class ControlSettings:
             raise ValueError(f"predictive_admission_share: must be in (0, 1], got {self.admission_share!r}")
 
     def watermarks(self) -> Watermarks:
-        return Watermarks(self.light, self.heavy, self.max_ratio, self.ratio_step, base=self.base_ratio)
+        return Watermarks(self.light, self.heavy, self.max_ratio, self.ratio_step, base=self.base_ratio,
+                          hysteresis=min(self.ratio_hysteresis, self.light), dwell=self.ratio_dwell)
 
 
 class ClusterControl:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import deque
 
@@ -27,6 +28,8 @@ from deployments.metrics import ControllerMetrics, make_backend, snapshot
 from deployments.wire import ArrivalCount, ControllerDecision, ControllerState, Knobs, LoadReport
 
 logger = logging.getLogger("ray.serve")
+
+RATIO_DWELL_S = 2.0  # a ratio falls only after its signal has stayed low this long (ControlSettings)
 
 
 @serve.deployment(num_replicas=1, max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0},
@@ -42,7 +45,8 @@ class Controller:
         c = engine_config
         self.control = ClusterControl(ControlSettings(
             c.light_watermark, c.heavy_watermark, c.max_hidden_ratio, c.hidden_ratio_step, base_ratio=c.cache_ratio,
-            stale_after_s=max(2.0, 5 * interval_s), predictive=prediction is not None, **(prediction or {})))
+            stale_after_s=max(2.0, 5 * interval_s), ratio_dwell=max(1, math.ceil(RATIO_DWELL_S / interval_s)),
+            predictive=prediction is not None, **(prediction or {})))
         self.interval_s, self.retry_after_s = interval_s, retry_after_s
         self.decisions: deque[ControllerDecision] = deque(maxlen=200)
         self._backend = make_backend({"model": model}, mirror_metrics)

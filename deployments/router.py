@@ -5,7 +5,9 @@ One request's way through it:
 1. prepare it (``preparation.py``: validation, its service class from the body's ``service_class`` or
    the ``x-service-class`` header, tokenising, context checks, the ``EngineRequest`` and its admission
    ticket), so that every bad input is a 4xx before any engine sees it;
-2. refuse with 503 + ``Retry-After`` while the controller has closed admission (heavy watermark);
+2. while the controller has closed admission (heavy watermark): with ``heavy_watermark_action``
+   "hold" (the default) wait in the admission line, for at most the request's TTFT target, then 503 +
+   ``Retry-After``; with "refuse", 503 + ``Retry-After`` at once;
 3. wait for an in-flight slot in the score-ordered admission queue (429 when that line is full; the
    controller narrows the slots to ``admission_limit`` of them while it forecasts a peak over heavy);
 4. stream ``StreamItem``s from an engine replica (``FitAwareRequestRouter`` picks it) and assemble them
@@ -83,6 +85,9 @@ class RouterOptions(BaseModel):
     engine_cpus: Optional[dict] = None  # CPUs kept for the engines (``affinity.keep_off_engine_cpus``)
     api_keys: tuple[SecretStr, ...] = ()  # none: no auth (``auth.py``); SecretStr: never in a repr or log
     max_request_body_bytes: PositiveInt = MAX_REQUEST_BODY_BYTES  # larger bodies get 413
+    # While the controller has closed admission: "hold" new requests in the admission line until it
+    # reopens (503 once a request's TTFT target has passed), or "refuse" them at once with 503.
+    heavy_watermark_action: Literal["hold", "refuse"] = "hold"
 
     @property
     def name(self) -> str:
@@ -156,7 +161,7 @@ class Router:
         except Exception as exc:  # noqa: BLE001 - any failure means "not ready"
             return JSONResponse({"status": "unhealthy", "reason": repr(exc)}, status_code=503)
         state = self.state
-        return {"status": "ok", "admission_open": self.is_admission_open(),
+        return {"status": "ok", "admission_open": self.is_admission_open(), "admission_held": self.admission.held,
                 "engine_replicas": len(self.known_replicas()),
                 "requests_in_flight": self.admission.num_in_flight, "requests_waiting": self.admission.num_waiting,
                 "admission_limit": state.admission_limit if state is not None else 1.0,
@@ -281,7 +286,14 @@ class Router:
             except Exception as exc:  # noqa: BLE001 - keep serving on the last known state
                 self._arrivals = [a + b for a, b in zip(self._arrivals, counts)]  # send them with the next poll
                 logger.warning("router: controller poll failed: %r", exc)
+            held = self.holds_when_closed and not self.is_admission_open()  # a silent controller: not held
+            if held != self.admission.held:
+                self.admission.hold(held)
             await asyncio.sleep(self.options.poll_interval_s)
+
+    @property
+    def holds_when_closed(self) -> bool:
+        return self.options.heavy_watermark_action == "hold"
 
     def _count_arrival(self, request: EngineRequest) -> None:
         horizon = self.options.output_horizon_tokens
@@ -328,7 +340,7 @@ class Router:
         """Refuse an HTTP request before its body is read, parsed and tokenised when it would be refused
         anyway: under overload the router's CPU then goes to the requests it can take, and a refusal
         comes back at once instead of after the backlog (measured: docs/benchmarks.md, "Reliability")."""
-        error = self._closed() if not self.is_admission_open() else (
+        error = self._closed() if not self.holds_when_closed and not self.is_admission_open() else (
             self._queue_full(f"{self.admission.num_waiting} requests are already waiting for admission")
             if self.admission.is_full else None)
         if error is not None:
@@ -336,14 +348,29 @@ class Router:
             self.metrics.outcome("rejected")
             raise error
 
-    async def _admitted_items(self, prepared: Prepared, request: EngineRequest, span):
-        """Engine items for one request, after admission. Raises APIError before the first item."""
-        if not self.is_admission_open():
-            raise self._closed()
+    async def _acquire(self, ticket) -> None:
+        """An in-flight slot. While admission is held (closed by the controller), wait at most until the
+        request's TTFT target has passed: it has missed that target by then, and a 503 with
+        ``Retry-After`` tells its client more than a late answer would."""
         try:
-            await self.admission.acquire(prepared.ticket)
+            while self.admission.held:
+                remaining = ticket.deadline - time.monotonic()
+                if remaining <= 0:
+                    raise self._closed()
+                try:
+                    await asyncio.wait_for(self.admission.acquire(ticket), remaining)
+                    return
+                except TimeoutError:
+                    continue  # still held: refused above; reopened just now: waits as usual below
+            await self.admission.acquire(ticket)
         except QueueFull as exc:
             raise self._queue_full(str(exc)) from None
+
+    async def _admitted_items(self, prepared: Prepared, request: EngineRequest, span):
+        """Engine items for one request, after admission. Raises APIError before the first item."""
+        if not self.holds_when_closed and not self.is_admission_open():
+            raise self._closed()
+        await self._acquire(prepared.ticket)
         if span is not None:
             span.add_event("admitted")
         started = finished = False

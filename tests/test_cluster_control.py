@@ -67,6 +67,21 @@ def test_the_cluster_rule_closes_admission_on_the_summed_memory_and_sets_every_r
     assert c.cluster.admit and c.state_fields()["admission_open"]
 
 
+def test_a_replica_whose_memory_swings_keeps_its_ratio_and_lowers_it_once_it_stays_low():
+    c = control(ratio_dwell=4)  # hysteresis 0.1 by default: the ratio falls at <= 0.5 here
+    for t in range(8):  # usage 0.7 / 0.55 every other interval: over light, then just under it
+        report(c, t, a=70 if t % 2 == 0 else 55, b=0)
+        c.step(t)
+    assert c.knobs("a").cache_ratio == pytest.approx(0.4)  # rose with each swing up, never fell
+    ratios = []
+    for t in range(8, 16):  # memory freed: falls after four low intervals, one step each
+        report(c, t, a=10, b=0)
+        c.step(t)
+        ratios.append(c.knobs("a").cache_ratio)
+    assert ratios == pytest.approx([0.4, 0.4, 0.4, 0.3, 0.2, 0.1, 0.0, 0.0])
+    assert c.knobs("b").cache_ratio == 0.0
+
+
 def test_a_replica_that_stops_reporting_is_dropped_and_a_new_one_gets_the_clusters_ratio():
     c = control()
     report(c, 0, a=90, b=90)

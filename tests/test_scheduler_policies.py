@@ -157,6 +157,26 @@ def test_watermarks_raise_and_lower_the_hidden_target_and_gate_admission():
     assert d.admit is True and d.changed
 
 
+def test_watermark_hysteresis_and_dwell_damp_only_the_way_down():
+    # A signal swinging across light every other observation: the plain rule follows it both ways.
+    swings = [0.8, 0.65] * 4
+    plain = Watermarks(light=0.7, heavy=0.9, cap=0.7, step=0.1)
+    assert [plain.observe(u).cache_ratio for u in swings] == [0.1, 0.0] * 4
+    # Damped: 0.65 is above light - 0.1, so the ratio never falls and rises with each peak.
+    damped = Watermarks(light=0.7, heavy=0.9, cap=0.7, step=0.1, hysteresis=0.1, dwell=3)
+    assert [damped.observe(u).cache_ratio for u in swings] == [0.1, 0.1, 0.2, 0.2, 0.3, 0.3, 0.4, 0.4]
+    # Falls only after three observations in a row at or below 0.6, one step each from then on;
+    # one observation back above the band restarts the count.
+    assert [damped.observe(u).cache_ratio for u in [0.5, 0.5, 0.62, 0.5, 0.5, 0.5, 0.5]] == \
+        [0.4, 0.4, 0.4, 0.4, 0.4, 0.3, 0.2]
+    d = damped.observe(0.5)
+    assert "<= light 0.7 - 0.1 for 5 observations" in d.reason and d.cache_ratio == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="hysteresis"):
+        Watermarks(light=0.7, heavy=0.9, hysteresis=0.8)
+    with pytest.raises(ValueError, match="dwell"):
+        Watermarks(dwell=0)
+
+
 def test_heavy_watermark_stops_admission_and_it_resumes_below():
     sim = _engine("sarathi", num_pages=20, enable_watermarks=True, max_num_batched_tokens=4096)
     first = [sim.add(150, 40) for _ in range(2)]  # 2 x 10 pages, then growing: > 0.9 of the pool

@@ -164,3 +164,42 @@ async def test_a_tightened_limit_holds_new_requests_and_a_relaxed_one_lets_them_
     assert queue.num_in_flight == 3
     with pytest.raises(ValueError, match="max_in_flight"):
         queue.resize(0)
+
+
+@pytest.mark.asyncio
+async def test_a_held_queue_grants_no_slot_and_lets_its_line_through_by_score_when_released():
+    now = time.monotonic()
+    queue = AdmissionQueue(max_in_flight=4, max_queued=2, weights=ValueWeights(slo_weight=0, priority_weight=0))
+    await queue.acquire(Ticket(1, 10.0))  # in flight before the hold: it goes on
+    queue.hold(True)
+    order: list[int] = []
+
+    async def wait(i: int, ticket: Ticket) -> None:
+        await queue.acquire(ticket)
+        order.append(i)
+
+    tasks = [asyncio.create_task(wait(i, t)) for i, t in enumerate(
+        [Ticket(40, 60, arrival=now - 2.0), Ticket(2, 60, arrival=now - 1.0)])]
+    await asyncio.sleep(0.01)
+    assert order == [] and queue.num_in_flight == 1 and queue.num_waiting == 2  # slots free, none granted
+    assert queue.is_full  # the line (2) is full: a third request would get QueueFull
+    with pytest.raises(QueueFull):
+        await queue.acquire(Ticket(1, 60))
+    queue.release()  # a request finishing during the hold does not let the line move
+    await asyncio.sleep(0.01)
+    assert order == [] and queue.num_in_flight == 0
+    queue.hold(False)
+    await asyncio.gather(*tasks)
+    assert order == [1, 0] and queue.num_in_flight == 2  # best value per page first
+
+
+@pytest.mark.asyncio
+async def test_a_request_that_stops_waiting_during_a_hold_leaves_the_line():
+    queue = AdmissionQueue(max_in_flight=1, max_queued=4)
+    queue.hold(True)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(queue.acquire(Ticket(1, 1.0)), 0.05)
+    assert queue.num_waiting == 0 and queue.num_in_flight == 0
+    queue.hold(False)
+    await queue.acquire(Ticket(1, 1.0))
+    assert queue.num_in_flight == 1

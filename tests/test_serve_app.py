@@ -353,12 +353,24 @@ def test_controller_applies_the_watermarks_cluster_wide(client, app):
     with PressureLoad(num_requests=8, prompt_len=400, max_tokens=1600):
         # Above the light watermark: every replica's hidden target rises.
         wait_until(lambda: all(r.cache_ratio > 0 for r in replicas().values()), "replicas raise the hidden ratio")
-        # Above the heavy one: the router refuses new work with 503, Retry-After and an OpenAI error.
+        # Above the heavy one the router holds new work (heavy_watermark_action "hold", the default): a
+        # request waits in its admission line for at most its TTFT target, then gets 503, Retry-After
+        # and an OpenAI error. (Memory comes and goes as apt preempts: retried until one stays closed.)
         wait_until(lambda: not controller_state().admission_open, "admission closes")
-        r = wait_until(lambda: (r := completion(client, app, max_tokens=2)).status_code == 503 and r,
-                       "the router refuses", timeout=10)
+        wait_until(lambda: client.get("/health").json()["admission_held"], "the router holds new requests")
+
+        def held_then_refused():
+            started = time.monotonic()
+            r = completion(client, app, max_tokens=2, ttft_slo_ms=1000)
+            return r.status_code == 503 and (r, time.monotonic() - started)
+
+        r, waited = wait_until(held_then_refused, "a held request is refused after its TTFT target", timeout=30)
+        assert waited >= 0.9, waited
         assert r.headers["retry-after"] == "1"
         assert assert_openai_error(r, 503)["code"] == "admission_closed"
+        # One that can wait is held, not refused, and served once memory frees (checked below).
+        patient = ThreadPoolExecutor(1).submit(
+            completion, client, app, max_tokens=2, ttft_slo_ms=600_000)
         # The ceiling the controller raised is what apt chooses under: requests arriving at a full
         # pool now get compressed pages (issue 13: cache_ratio moves apt).
         with PressureLoad(num_requests=6, prompt_len=40, max_tokens=400):
@@ -366,6 +378,7 @@ def test_controller_applies_the_watermarks_cluster_wide(client, app):
                                    for r in replicas().values()), "apt takes compressed pages")
     # Pressure gone: admission opens again and the ratio steps back down to its base.
     wait_until(lambda: controller_state().admission_open, "admission reopens")
+    assert patient.result(timeout=60).status_code == 200
     wait_until(lambda: all(r.cache_ratio == 0.0 for r in replicas().values()), "the hidden ratio falls back")
     assert completion(client, app, max_tokens=2).status_code == 200
     reasons = [d.reason for d in controller_state().decisions if d.time >= start]

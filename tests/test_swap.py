@@ -289,3 +289,21 @@ def test_the_tier_holds_no_more_than_its_filesystem_has_free(monkeypatch, tmp_pa
     assert tier.num_slots == 9 and "the tier holds 9 pages" in caplog.text
     monkeypatch.setattr(swap_module.shutil, "disk_usage", lambda _: usage(0, 0, 0))
     assert swap_module.make_swap_space(1.0, str(tmp_path), MHA_LAYOUT, SimpleNamespace(storage=storage)) is None
+
+
+def test_memory_timeline_shows_pages_in_the_swap_tier(opt_tiny, tmp_path):
+    from apt_serve_ray import CacheTracker
+
+    llm = LLM(opt_tiny, dtype="float32", num_pages=24, max_num_batched_tokens=256, calibrate_rho=False,
+              swap_space=0.01)
+    tracker = CacheTracker(llm)
+    engine = llm.llm_engine
+    for p in _prompts(8, seed=2):
+        engine.add_request(p, GREEDY)
+    while engine.has_unfinished_requests():
+        engine.step()
+    series = tracker.series()
+    assert max(series["swapped"]) > 0 and series["swapped"][-1] == 0  # pages went down a tier and came back
+    assert set(series["swap_slots"]) == {llm.cache_stats().num_swap_slots}
+    png = tracker.plot_memory_timeline(tmp_path / "timeline.png")
+    assert (tmp_path / "timeline.png").stat().st_size > 0 and png.endswith(".png")

@@ -36,6 +36,7 @@ class CacheTracker(EngineObserver):
             "t": now - self.start, "kv": c.num_kv_pages, "hidden": c.num_hidden_pages,
             "kv-int8": (c.pages_by_kind or {}).get("kv-int8", 0),
             "hidden-int8": (c.pages_by_kind or {}).get("hidden-int8", 0), "free": c.num_free_pages,
+            "swapped": c.num_used_swap_slots, "swap_slots": c.num_swap_slots,
             "compressed_share": c.compressed_share,
             "num_pages": c.num_pages, "usage": c.usage, "cache_ratio": c.cache_ratio, "hidden_share": c.hidden_share,
             "admit": c.admission_open, "running": c.num_running, "waiting": c.num_waiting,
@@ -59,7 +60,8 @@ class CacheTracker(EngineObserver):
                 "heavy_watermark": self.heavy}
 
     def plot_memory_timeline(self, path, title: str | None = None) -> str:
-        """Stacked pages by kind, usage and hidden target over time, watermarks and their crossings."""
+        """Stacked pages by kind (in memory, above zero; in the swap tier, below), usage and the
+        compressed ceiling over time, watermarks and their crossings."""
         return plot_memory_timeline(self.series(), self.crossings, path, light=self.light, heavy=self.heavy,
                                     title=title or "cache memory by kind")
 
@@ -80,6 +82,10 @@ def plot_memory_timeline(series: dict, crossings: list[dict], path, *, light: fl
         ax.stackplot(t, *[series[k] for k, _, _ in kinds], labels=[label for _, label, _ in kinds],
                      colors=[color for _, _, color in kinds], step="post")
         ax.axhline(series["num_pages"][0], color="black", lw=0.8, ls=":", label="pool")
+        if any(series.get("swapped", ())):  # the tier below memory, drawn below the axis
+            ax.fill_between(t, [-x for x in series["swapped"]], 0, step="post", color="#937860", alpha=0.8,
+                            label="pages in the swap tier (below 0)")
+            ax.axhline(0, color="black", lw=0.6)
         ax2.plot(t, series["usage"], color="black", lw=1.2, label="usage", drawstyle="steps-post")
         ax2.plot(t, series["cache_ratio"], color="#dd8452", lw=1.2, label="cache_ratio (compressed ceiling)",
                  drawstyle="steps-post")
