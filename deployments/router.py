@@ -295,6 +295,10 @@ class Router:
     def holds_when_closed(self) -> bool:
         return self.options.heavy_watermark_action == "hold"
 
+    def refuses_at_once(self) -> bool:
+        """Admission is closed and this router answers 503 at once ("refuse") instead of holding."""
+        return not self.holds_when_closed and not self.is_admission_open()
+
     def _count_arrival(self, request: EngineRequest) -> None:
         horizon = self.options.output_horizon_tokens
         self._arrivals[0] += 1
@@ -340,7 +344,7 @@ class Router:
         """Refuse an HTTP request before its body is read, parsed and tokenised when it would be refused
         anyway: under overload the router's CPU then goes to the requests it can take, and a refusal
         comes back at once instead of after the backlog (measured: docs/benchmarks.md, "Reliability")."""
-        error = self._closed() if not self.holds_when_closed and not self.is_admission_open() else (
+        error = self._closed() if self.refuses_at_once() else (
             self._queue_full(f"{self.admission.num_waiting} requests are already waiting for admission")
             if self.admission.is_full else None)
         if error is not None:
@@ -368,7 +372,7 @@ class Router:
 
     async def _admitted_items(self, prepared: Prepared, request: EngineRequest, span):
         """Engine items for one request, after admission. Raises APIError before the first item."""
-        if not self.holds_when_closed and not self.is_admission_open():
+        if self.refuses_at_once():
             raise self._closed()
         await self._acquire(prepared.ticket)
         if span is not None:

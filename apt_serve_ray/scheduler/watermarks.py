@@ -42,6 +42,7 @@ class Watermarks:
             raise ValueError(f"dwell: need >= 1 observation, got {dwell}")
         self.light, self.heavy, self.cap, self.step = light, heavy, cap, step
         self.hysteresis, self.dwell = hysteresis, dwell
+        self.low = round(light - hysteresis, 6)  # the ratio may fall at or below this
         self.base = min(base, cap) if cap >= base else base
         self.ratio = base
         self.admit = True
@@ -49,8 +50,7 @@ class Watermarks:
 
     def observe(self, usage: float) -> WatermarkDecision:
         ratio, admit, reasons = self.ratio, self.admit, []
-        low = round(self.light - self.hysteresis, 6)
-        self._quiet = self._quiet + 1 if usage <= low else 0
+        self._quiet = self._quiet + 1 if usage <= self.low else 0
         if usage > self.light and self.ratio < self.cap:
             ratio = min(self.cap, round(self.ratio + self.step, 6))
             reasons.append(f"usage {usage:.2f} > light {self.light}: hidden target {self.ratio:.2f} -> {ratio:.2f}")
