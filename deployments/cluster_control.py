@@ -4,7 +4,7 @@ Three rules, each on its own signal (the ``Controller`` deployment feeds them he
 counts and publishes what they decide)::
 
     replica r:  Watermarks(signal_r)    -> r's cache_ratio (the higher of its rule's and the cluster's)
-                                           and r.is_pressured (above heavy: routers steer new requests
+                Watermarks(usage_r)     -> r.is_pressured (above heavy: routers steer new requests
                                            to the other replicas while any other has room)
     cluster:    Watermarks(used / pages over every replica)
                                         -> admission_open (routers answer 503 while closed) and the
@@ -15,13 +15,18 @@ counts and publishes what they decide)::
 
     usage_r  = (used_r + pending_r) / pages_r   (pending: prompts received, not prefilled yet)
     signal_r = usage_r, or with prediction max(usage_r, usage_r + extra_pages / num_replicas / pages_r)
-    extra_pages = max(0, forecast token rate - token rate of the last horizon) * horizon / tokens per page
+    extra_pages = max(0, forecast token rate - token rate of the last horizon) * hold / tokens per page
+    hold        = min(horizon, tokens held now / token rate of the last horizon)
 
-``extra_pages`` is the demand a forecast rise would pile up over the horizon beyond what today's
-memory already holds (steady traffic frees about what it takes, so only the rise counts; finished
-requests during the rise are ignored, which errs on the early side). The router spreads arrivals
-over the replicas, so each gets an equal share. So the ratio rises and admission tightens *before*
-a forecast peak crosses the watermarks, and both relax as the forecast falls back. The cluster rule
+``extra_pages`` is the memory a forecast rise would add to what today's memory already holds
+(steady traffic frees about what it takes, so only the rise counts). By Little's law a token is held
+for ``tokens held / token arrival rate`` seconds on average, so a rise of ``d`` tokens/s holds about
+``d * hold`` more tokens once it has lasted that long; before the requests of the rise finish, no
+more than ``d * horizon`` can pile up, hence the min. The router spreads
+arrivals over the replicas, so each gets an equal share. So the ratio rises and admission tightens
+*before* a forecast peak crosses the watermarks, and both relax as the forecast falls back. A replica
+is marked pressured on its own memory only: every replica gets the same share of a forecast, so a
+forecast cannot tell the routers which one to avoid. The cluster rule
 applies to the cluster as a whole (one replica full beside an empty one reads as half full and
 changes nothing there); the replica rule acts on the full one.
 """
@@ -139,7 +144,7 @@ class ClusterControl:
             if self.forecast is not None:
                 signal = max(usage, min(1.0, usage + share / max(1, load.num_pages)))
             before = (knobs_before[replica_id].cache_ratio, not knobs_before[replica_id].is_pressured)
-            d = rule.observe(signal)
+            d = rule.observe(signal, admit_usage=usage)
             if d.changed or self.knobs(replica_id).cache_ratio != before[0]:
                 reason = d.reason.replace("admission off", "pressured: routers steer away").replace(
                     "admission on", "not pressured") or (
@@ -155,8 +160,10 @@ class ClusterControl:
         s = self.settings
         self.predictor.observe(now, 0)  # time passes even when nothing arrives
         self.forecast = f = self.predictor.forecast(s.horizon_s, now)
-        tokens_per_page = min((load.tokens_per_kv_page for load in self.replicas.values()), default=16)
-        return max(0.0, f.token_rate - f.recent_token_rate) * s.horizon_s / max(1, tokens_per_page)
+        tokens_per_page = max(1, min((load.tokens_per_kv_page for load in self.replicas.values()), default=16))
+        held_tokens = sum(load.num_used_pages for load in self.replicas.values()) * tokens_per_page
+        hold_s = s.horizon_s if f.recent_token_rate <= 0 else min(s.horizon_s, held_tokens / f.recent_token_rate)
+        return max(0.0, f.token_rate - f.recent_token_rate) * hold_s / tokens_per_page
 
     def _predictive_admission(self) -> list[ControllerDecision]:
         if self.forecast_usage is None:

@@ -17,8 +17,7 @@ at most one stats period (a cautious error), and completion callbacks can fire e
 
 Replicas where the request fits come first, least loaded after placement first, where load is the
 larger of page usage and the share of ``max_num_seqs`` taken; among them, the ones the controller
-marked pressured (``LoadReport.is_pressured``: their own memory is past the heavy watermark, or will
-be by the forecast) go after the others, so new work flows to the replicas with room while any has
+marked pressured (``LoadReport.is_pressured``: their own memory is past the heavy watermark) go after the others, so new work flows to the replicas with room while any has
 it; the replicas where it does not fit follow by free pages. Each
 replica is its own rank, so Serve takes our first choice unless that replica's queue is full.
 Calls that are not ``generate`` (control, load) are left to Serve's usual choice, except that a call

@@ -138,8 +138,7 @@ class LoadReport:
     # replica's engine is offered (none: cache_ratio changes nothing there).
     pages_by_kind: dict[str, int] = field(default_factory=dict)
     compressed_kinds: tuple[str, ...] = ()
-    # The controller marked this replica pressured (its own usage over the heavy watermark, or about to
-    # be by the forecast): the request router sends new requests to the others while they have room.
+    # The controller marked this replica pressured (its own usage over the heavy watermark): the request router sends new requests to the others while they have room.
     is_pressured: bool = False
 
     @property

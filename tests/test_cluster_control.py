@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from serve_helpers import load_report
 
+from apt_serve_ray.predictor import Forecast
 from deployments.cluster_control import ClusterControl, ControlSettings
 from deployments.wire import ArrivalCount
 
@@ -111,7 +112,7 @@ def _on_off(c: ClusterControl, until: float, used: int = 20, start: float = 0.0)
 
 def test_prediction_raises_ratios_and_tightens_admission_before_a_forecast_peak():
     c = control(predictive=True, horizon_s=5.0, admission_share=0.5)
-    taken = _on_off(c, until=107)  # five periods seen; 107 s: 3 s before the sixth peak
+    taken = _on_off(c, until=108)  # five periods seen; 108 s: 2 s before the sixth peak
     f = c.forecast
     assert f is not None and f.model == "holt-winters/20s"
     assert f.token_rate > 2 * f.recent_token_rate  # the peak is seen coming while arrivals are low
@@ -122,6 +123,28 @@ def test_prediction_raises_ratios_and_tightens_admission_before_a_forecast_peak(
     assert acted and all(d.forecast is not None and "forecast" in d.reason for _, d in acted)
     assert any("tighten_admission" in d.actions for _, d in acted)
     assert c.cluster.admit  # no 503s on a forecast: admission closes only on memory in use
+    assert not c.knobs("a").is_pressured  # nor is a replica steered away from on a forecast
+
+
+def test_forecast_memory_is_what_the_rise_holds_by_littles_law_at_most_a_horizon_of_arrivals():
+    # 1 req/s of 320 tokens with 40 pages (640 tokens) held: a token is held 2 s. A rise to 8 req/s
+    # (2,240 tokens/s more) holds ~4,480 more tokens = 280 pages (16 tokens each), not the 700 pages
+    # the 5-s horizon's arrivals would take.
+    for used, hold_s in ((20, 2.0), (200, 5.0)):  # 200 pages per replica: held 20 s, capped at 5
+        c = control(predictive=True, horizon_s=5.0)
+        for replica in "ab":
+            c.report(load_report(replica_id=replica, num_pages=1000, num_free_pages=1000 - used), 0)
+        c.forecast = None
+        c.predictor.observe = lambda *a, **k: None
+        c.predictor.forecast = lambda horizon, now: _forecast(token_rate=8 * 320, recent_token_rate=320)
+        assert c._forecast_extra_pages(0) == pytest.approx(7 * 320 * hold_s / 16)
+
+
+def _forecast(**rates) -> Forecast:
+    fields = dict(time=0.0, horizon_s=5.0, arrival_rate=8.0, arrival_rate_low=7.0, arrival_rate_high=9.0,
+                  token_rate=0.0, token_rate_low=0.0, token_rate_high=0.0, peak_arrival_rate=8.0,
+                  recent_arrival_rate=1.0, recent_token_rate=0.0, model="holt", num_history_s=100.0)
+    return Forecast(**{**fields, **rates})
 
 
 def test_prediction_relaxes_after_the_peak():

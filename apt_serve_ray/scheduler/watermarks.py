@@ -48,8 +48,11 @@ class Watermarks:
         self.admit = True
         self._quiet = 0  # observations in a row at or below light - hysteresis
 
-    def observe(self, usage: float) -> WatermarkDecision:
+    def observe(self, usage: float, admit_usage: float | None = None) -> WatermarkDecision:
+        """One observation: ``usage`` moves the ratio and, unless ``admit_usage`` is given (the
+        controller passes memory in use when ``usage`` carries a forecast), admission too."""
         ratio, admit, reasons = self.ratio, self.admit, []
+        gate = usage if admit_usage is None else admit_usage
         self._quiet = self._quiet + 1 if usage <= self.low else 0
         if usage > self.light and self.ratio < self.cap:
             ratio = min(self.cap, round(self.ratio + self.step, 6))
@@ -59,12 +62,12 @@ class Watermarks:
             held = f" for {self._quiet} observations" if self.dwell > 1 else ""
             below = f"light {self.light}" + (f" - {self.hysteresis:g}" if self.hysteresis else "")
             reasons.append(f"usage {usage:.2f} <= {below}{held}: hidden target {self.ratio:.2f} -> {ratio:.2f}")
-        if usage > self.heavy and self.admit:
+        if gate > self.heavy and self.admit:
             admit = False
-            reasons.append(f"usage {usage:.2f} > heavy {self.heavy}: admission off")
-        elif usage <= self.heavy and not self.admit:
+            reasons.append(f"usage {gate:.2f} > heavy {self.heavy}: admission off")
+        elif gate <= self.heavy and not self.admit:
             admit = True
-            reasons.append(f"usage {usage:.2f} <= heavy {self.heavy}: admission on")
+            reasons.append(f"usage {gate:.2f} <= heavy {self.heavy}: admission on")
         changed = ratio != self.ratio or admit != self.admit
         self.ratio, self.admit = ratio, admit
         return WatermarkDecision(ratio, admit, changed, "; ".join(reasons))
