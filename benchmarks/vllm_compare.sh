@@ -7,7 +7,7 @@
 #   repeat run apart from the first (the machines are noisy: repeat before concluding).
 #   VLLM_ARGS / OURS_ARGS: extra server arguments (e.g. VLLM_ARGS="--kv-cache-dtype fp8",
 #   OURS_ARGS="cache_kinds=[hidden,kv-int8,hidden-int8] cache_ratio=0.5"), TAG: a label suffix for them;
-#   WORKLOADS="longbench" sweeps one workload only.
+#   WORKLOADS="longbench" sweeps one workload only; LONGBENCH_RATES="0.6 1.2 1.8 2.4" replaces its rates.
 #
 # PEER holds vLLM's venv and its vllm-cli wrapper (../shared/tools/vllm-peer/README.md says how to
 # make it). probe: single-stream TTFT/TPOT and saturated tok/s (~3 min per server); sweep: SLO
@@ -66,7 +66,7 @@ client() {  # port label extra-args...
             --rates 1 2 3 4 6 --json "$OUT/compare.json" --disable-tqdm "$@";; esac
         case " $workloads " in *" longbench "*)
         $PY benchmarks/peer_sweep.py --base-url "http://127.0.0.1:$port" --label "$label" --workloads longbench \
-            --rates 0.3 0.6 0.9 1.2 1.8 --json "$OUT/compare.json" --out-dir "$OUT" --disable-tqdm "$@";; esac
+            --rates ${LONGBENCH_RATES:-0.3 0.6 0.9 1.2 1.8} --json "$OUT/compare.json" --out-dir "$OUT" --disable-tqdm "$@";; esac
     fi
 }
 
