@@ -7,9 +7,9 @@ import logging
 
 import torch
 
-from apt_serve_ray.cache.cache_manager import UpgradePlan
+from apt_serve_ray.cache.cache_manager import SwapPlan, UpgradePlan
 from apt_serve_ray.cache.layout import CacheLayout
-from apt_serve_ray.cache.storage import CacheStorage
+from apt_serve_ray.cache.storage import CacheStorage, token_rows
 from apt_serve_ray.config import EngineConfig
 from apt_serve_ray.cpu_info import has_native_bf16 as cpu_has_native_bf16
 from apt_serve_ray.model_loader import ModelSource, load_config, load_state_dict
@@ -107,8 +107,13 @@ class ModelRunner:
             self.swap.copy_out(self.storage, [p for plan in out.swap_out for p in plan.pages],
                                [s for plan in out.swap_out for s in plan.slots])
         if out.swap_in:
-            self.swap.copy_in(self.storage, [s for plan in out.swap_in for s in plan.slots],
-                              [p for plan in out.swap_in for p in plan.pages])
+            copies = [plan for plan in out.swap_in if not plan.is_conversion]
+            if copies:
+                self.swap.copy_in(self.storage, [s for plan in copies for s in plan.slots],
+                                  [p for plan in copies for p in plan.pages])
+            for plan in out.swap_in:
+                if plan.is_conversion:
+                    self._convert_in(plan)
         for plan in out.upgrades:
             self._upgrade(plan)
         if not out.chunks:
@@ -191,6 +196,20 @@ class ModelRunner:
             ctx_lens=self._to(torch.tensor(lens, dtype=torch.int32)),
             max_len=max(lens), tokens_per_page=self.layout.tokens_per_page(kind),
         )
+
+    def _convert_in(self, plan: SwapPlan) -> None:
+        """A copy in the tier comes back in another kind: its tokens, read from the slots' bytes,
+        quantised into the new pages (kv -> kv-int8, hidden -> hidden-int8), layer by layer."""
+        if plan.num_tokens == 0:
+            return
+        staged = self.swap.gather(plan.slots, self.device)  # [slots, layers, page_bytes]
+        pos = torch.arange(plan.num_tokens)
+        tpp = self.layout.tokens_per_page(plan.to_kind)
+        dst_pages = self._to(torch.tensor(plan.pages)[pos // tpp])
+        dst_offs = self._to(pos % tpp)
+        for layer in range(self.layout.num_layers):
+            tokens = token_rows(self.layout, staged[:, layer], plan.kind, self.dtype)[: plan.num_tokens]
+            self.storage.write_int8(layer, plan.to_kind, dst_pages, dst_offs, tokens)
 
     def _upgrade(self, plan: UpgradePlan) -> None:
         """Fill the new KV pages from the old ones, layer by layer: K/V projected from stored x

@@ -274,6 +274,87 @@ def test_a_swapped_request_asked_for_another_kind_is_recomputed_in_it():
     assert sim.llm_engine.swap.num_used_slots == 0
 
 
+def test_a_swapped_request_asked_for_its_int8_kind_comes_back_quantised_without_recompute():
+    sim = _sim(cache_kinds=["hidden", "kv-int8"], cache_ratio=0.0)  # KV pages until the ceiling is raised
+    r = _swapped_waiting(sim)
+    for other in list(sim.scheduler.running):
+        sim.scheduler.finish(other, other.status.FINISHED_ABORTED)
+    sim.llm_engine.adjust_cache_ratio(1.0)
+    computed, slots = r.num_computed_tokens, list(r.swap_slots)
+    assert r.kind is CacheKind.KV and computed > 0
+    ctx = SchedulingContext(sim.scheduler, sim.now)
+    assert ctx.schedule(r, r.num_tokens_to_compute, CacheKind.KV_INT8)
+    (plan,) = ctx.output().swap_in
+    assert plan.is_conversion and plan.kind is CacheKind.KV and plan.to_kind is CacheKind.KV_INT8
+    assert plan.slots == slots and plan.num_tokens == computed
+    assert len(plan.pages) == MHA_LAYOUT.num_pages_for(computed, CacheKind.KV_INT8) < len(slots)
+    assert r.kind is CacheKind.KV_INT8 and r.num_computed_tokens == computed and not r.is_swapped
+    ctx.preempt(r)  # preempted in the same step: back to its slots, in its old kind
+    assert r.kind is CacheKind.KV and r.swap_slots == slots and ctx.output().swap_in == []
+    sim.cache.release_deferred()
+    sim.llm_engine.check_integrity()
+    with pytest.raises(ValueError, match="cannot come back as hidden"):
+        sim.cache.swap_in(r, computed + 1, CacheKind.HIDDEN)  # x is gone: only a recompute gives hidden
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("from_kind,to_kind", [(CacheKind.KV, CacheKind.KV_INT8),
+                                               (CacheKind.HIDDEN, CacheKind.HIDDEN_INT8)])
+def test_a_copy_converted_on_its_way_in_is_quantised_exactly_like_a_write(opt_tiny, dtype, from_kind, to_kind):
+    from apt_serve_ray.cache.cache_manager import SwapPlan
+
+    llm = LLM(opt_tiny, dtype=dtype, num_pages=16, calibrate_rho=False, swap_space=0.001,
+              cache_kinds=["hidden", "kv-int8", "hidden-int8"])
+    runner = llm.llm_engine.runner
+    storage, layout, swap = runner.storage, runner.layout, runner.swap
+    gen = torch.Generator().manual_seed(0)
+    _fill(storage, from_kind, [3, 8], gen)
+    num_tokens = 2 * layout.tokens_per_page(from_kind) - 5  # the last page part-filled
+    view = storage.kv if from_kind is CacheKind.KV else storage.hidden
+    expected = [view[layer][[3, 8]].flatten(0, 1)[:num_tokens].clone() for layer in range(layout.num_layers)]
+    slots = swap.allocate(2, "r")
+    swap.copy_out(storage, [3, 8], slots)
+    _fill(storage, from_kind, [3, 8], gen)  # the pages are reused meanwhile
+    pages = [11] if layout.tokens_per_page(to_kind) >= num_tokens else [11, 5]
+    runner._convert_in(SwapPlan("r", pages, slots, from_kind, to_kind, num_tokens))
+    tpp = layout.tokens_per_page(to_kind)
+    pos = torch.arange(num_tokens)
+    dst_pages, dst_offs = torch.tensor(pages)[pos // tpp], pos % tpp
+    ref = CacheStorage(layout, 16, "cpu", storage.dtype)  # the reference: the same tokens written as a step writes
+    for layer in range(layout.num_layers):
+        ref.write_int8(layer, to_kind, dst_pages, dst_offs, expected[layer])
+        got_data, got_scale, ref_data, ref_scale = (
+            (storage.kv_int8, storage.kv_int8_scale, ref.kv_int8, ref.kv_int8_scale) if to_kind is CacheKind.KV_INT8
+            else (storage.hidden_int8, storage.hidden_int8_scale, ref.hidden_int8, ref.hidden_int8_scale))
+        assert torch.equal(got_data[layer][dst_pages, dst_offs], ref_data[layer][dst_pages, dst_offs])
+        assert torch.equal(got_scale[layer][dst_pages, dst_offs], ref_scale[layer][dst_pages, dst_offs])
+    swap.free(slots, "r")
+
+
+def test_apt_brings_swapped_requests_back_as_int8_when_their_kv_pages_do_not_fit(opt_tiny):
+    # 4 requests that each grow to 600 tokens in a pool of 768 KV tokens: apt swaps them out in turn.
+    # With kv-int8 allowed, a swapped one comes back quantised while its KV pages do not fit (it used
+    # to wait, asked for KV, with pages free), and nothing is recomputed.
+    llm = LLM(opt_tiny, dtype="float32", num_pages=48, policy="apt", calibrate_rho=False, swap_space=0.05,
+              cache_kinds=["hidden", "kv-int8"], cache_ratio=1.0)
+    engine = llm.llm_engine
+    execute, plans = engine.runner.execute, []
+    engine.runner.execute = lambda out: plans.extend(out.swap_in) or execute(out)
+    for i in range(4):
+        engine.add_request([13 + i] * 100, SamplingParams(max_tokens=500, ignore_eos=True))
+    computed = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        computed += engine.last_step.num_tokens if engine.last_step is not None else 0
+        engine.check_integrity()
+    stats = llm.cache_stats()
+    conversions = [p for p in plans if p.is_conversion]
+    assert stats.num_swap_outs > 0 and conversions
+    assert all(p.kind is CacheKind.KV and p.to_kind is CacheKind.KV_INT8 for p in conversions)
+    assert computed == 4 * (100 + 500 - 1)  # every token computed once: no recompute
+    assert stats.num_free_pages == stats.num_pages and stats.num_used_swap_slots == 0
+
+
 def test_the_tier_holds_no_more_than_its_filesystem_has_free(monkeypatch, tmp_path, caplog):
     # A sparse file written past a full filesystem kills the process (SIGBUS on the mapping).
     from collections import namedtuple

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from apt_serve_ray.attention.metadata import AttentionMetadata, DecodeGroup, KVProjection, PrefillChunk
-from apt_serve_ray.cache.quant import dequantize, quantize
+from apt_serve_ray.cache.quant import dequantize
 from apt_serve_ray.cache.storage import CacheStorage
 from apt_serve_ray.request import CacheKind
 
@@ -84,15 +84,10 @@ class AttentionBackend:
                 storage.hidden[layer][w.pages, w.offsets] = x[w.rows]
         if meta.kv_int8_write is not None:
             w = meta.kv_int8_write
-            kv_new = torch.stack((k[w.rows], v[w.rows]), dim=1)  # [n, 2, KVH, D]
-            data, scales = quantize(kv_new.flatten(1), kv_new.shape[-1])
-            storage.kv_int8[layer][w.pages, w.offsets] = data.view(kv_new.shape)
-            storage.kv_int8_scale[layer][w.pages, w.offsets] = scales.view(kv_new.shape[:-1])
+            storage.write_int8(layer, CacheKind.KV_INT8, w.pages, w.offsets, torch.stack((k[w.rows], v[w.rows]), dim=1))
         if meta.hidden_int8_write is not None:
             w = meta.hidden_int8_write
-            data, scales = quantize(x[w.rows], storage.layout.quant_group)
-            storage.hidden_int8[layer][w.pages, w.offsets] = data
-            storage.hidden_int8_scale[layer][w.pages, w.offsets] = scales
+            storage.write_int8(layer, CacheKind.HIDDEN_INT8, w.pages, w.offsets, x[w.rows])
 
     # 2. decode ------------------------------------------------------------------------------------
     def decode_kv(self, layer: int, q, g: DecodeGroup, storage: CacheStorage, scale: float) -> torch.Tensor:

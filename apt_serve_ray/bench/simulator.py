@@ -97,7 +97,7 @@ class CostModelRunner:
     def execute(self, out: SchedulerOutput) -> list[tuple[Request, SampledToken]]:
         self.last_output = out
         num_out = sum(len(plan.pages) for plan in out.swap_out)
-        num_in = sum(len(plan.pages) for plan in out.swap_in)
+        num_in = sum(len(plan.slots) for plan in out.swap_in)  # what crosses from the tier
         swap_s = num_out * self.cost.swap_out_s_per_page + num_in * self.cost.swap_in_s_per_page
         self.num_pages_swapped_out += num_out
         self.num_pages_swapped_in += num_in

@@ -26,16 +26,36 @@ class UpgradePlan:
     from_kind: CacheKind = CacheKind.HIDDEN
 
 
+# Kinds a copy in the tier can be turned into on its way back, without recomputing: quantised as it
+# is read (the int8 kind of the same content). The other way (int8 -> full precision) keeps the error,
+# and KV -> hidden is impossible (x is gone): those come back in their own kind, or are recomputed.
+CONVERSIONS = frozenset({(CacheKind.KV, CacheKind.KV_INT8), (CacheKind.HIDDEN, CacheKind.HIDDEN_INT8)})
+
+
+def can_convert(from_kind: CacheKind | None, to_kind: CacheKind | None) -> bool:
+    """Whether a copy of ``from_kind`` in the tier can come back as ``to_kind`` pages (same kind: yes)."""
+    return from_kind is to_kind or (from_kind, to_kind) in CONVERSIONS
+
+
 @dataclass(frozen=True)
 class SwapPlan:
     """Copy a request's pages to or from the tier below memory: ``pages[i]`` <-> ``slots[i]``, every
     layer, raw bytes of ``kind``. The runner runs swap-outs before swap-ins, and both before the
-    upgrades and the forward pass (pages a swap-out frees may be given out in the same step)."""
+    upgrades and the forward pass (pages a swap-out frees may be given out in the same step).
+
+    A swap-in may convert (``to_kind``, see ``CONVERSIONS``): the ``num_tokens`` tokens held in
+    ``slots`` (of ``kind``) are quantised into ``pages`` (of ``to_kind``, a different page count)."""
 
     request_id: str
     pages: list[int]
     slots: list[int]
     kind: CacheKind
+    to_kind: CacheKind | None = None  # None: same kind, a byte copy
+    num_tokens: int = 0  # tokens converted (conversions only)
+
+    @property
+    def is_conversion(self) -> bool:
+        return self.to_kind is not None and self.to_kind is not self.kind
 
 
 class CacheManager:
@@ -53,7 +73,7 @@ class CacheManager:
 
     def num_new_pages(self, request: Request, num_total_tokens: int, kind: CacheKind | None = None) -> int:
         kind = kind or request.kind or CacheKind.KV
-        if request.kind is not None and kind is not request.kind:
+        if request.page_ids and kind is not request.kind:  # (a copy in the tier may change kind: ``swap_in``)
             raise ValueError(f"kind: request {request.request_id} holds {request.kind.value} pages, asked {kind.value}")
         return max(0, self.layout.num_pages_for(num_total_tokens, kind) - len(request.page_ids))
 
@@ -106,17 +126,29 @@ class CacheManager:
         request.num_swaps += 1
         return plan
 
-    def swap_in(self, request: Request, num_total_tokens: int) -> SwapPlan | None:
-        """Pages of its kind for ``num_total_tokens`` tokens; the first ones receive its slots. The slots
-        are released after the step (``release_deferred``). None (nothing changed) without the pages."""
-        num = max(self.layout.num_pages_for(num_total_tokens, request.kind), len(request.swap_slots))
-        pages = self.pool.allocate(num, request.kind, request.request_id)
+    def swap_in(self, request: Request, num_total_tokens: int, kind: CacheKind | None = None) -> SwapPlan | None:
+        """Pages of its kind (or of ``kind``, a conversion: ``can_convert``) for ``num_total_tokens``
+        tokens; the first ones receive its slots' content. The slots are released after the step
+        (``release_deferred``). None (nothing changed) without the pages."""
+        from_kind, kind = request.kind, kind or request.kind
+        if not can_convert(from_kind, kind):
+            raise ValueError(f"kind: a {from_kind.value} copy in the tier cannot come back as {kind.value}")
+        slots = request.swap_slots
+        num = self.layout.num_pages_for(num_total_tokens, kind)
+        if kind is from_kind:
+            num = max(num, len(slots))
+        pages = self.pool.allocate(num, kind, request.request_id)
         if pages is None:
             return None
-        plan = SwapPlan(request.request_id, pages[: len(request.swap_slots)], request.swap_slots, request.kind)
+        if kind is from_kind:
+            plan = SwapPlan(request.request_id, pages[: len(slots)], slots, kind)
+        else:
+            n = request.num_computed_tokens
+            plan = SwapPlan(request.request_id, pages[: self.layout.num_pages_for(n, kind)], slots, from_kind, kind, n)
         self._deferred_slots.append((plan.slots, request.request_id))
         request.page_ids = pages
         request.swap_slots = []
+        request.kind = request.last_kind = kind
         return plan
 
     def undo_swap_in(self, request: Request, plan: SwapPlan) -> None:
@@ -126,6 +158,7 @@ class CacheManager:
         self.pool.free(request.page_ids, request.request_id)
         request.page_ids = []
         request.swap_slots = plan.slots
+        request.kind = request.last_kind = plan.kind
 
     def drop_swapped(self, request: Request) -> None:
         """Its slots cannot be trusted (the step that filled them failed): recompute it instead."""

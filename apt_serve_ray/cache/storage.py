@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from apt_serve_ray.cache.layout import CacheLayout
+from apt_serve_ray.cache.quant import quantize
 from apt_serve_ray.request import CacheKind
 
 
@@ -46,6 +47,20 @@ class CacheStorage:
         scales = [b[:, geo.scale_offset:end].view(torch.float32).view(p, tpp, *scale_shape) for b in self.bytes]
         return data, scales
 
+    def write_int8(self, layer: int, kind: CacheKind, pages, offsets, content: torch.Tensor) -> None:
+        """Quantise ``content`` and store it, with its scales, at ``pages``/``offsets`` [n] of an int8
+        kind: K/V [n, 2, KVH, D] for kv-int8, x [n, HID] for hidden-int8."""
+        if kind is CacheKind.KV_INT8:
+            data, scales = quantize(content.flatten(1), content.shape[-1])
+            self.kv_int8[layer][pages, offsets] = data.view(content.shape)
+            self.kv_int8_scale[layer][pages, offsets] = scales.view(content.shape[:-1])
+        elif kind is CacheKind.HIDDEN_INT8:
+            data, scales = quantize(content, self.layout.quant_group)
+            self.hidden_int8[layer][pages, offsets] = data
+            self.hidden_int8_scale[layer][pages, offsets] = scales
+        else:
+            raise ValueError(f"kind: {kind.value} is not an int8 kind")
+
     def workspace(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A scratch buffer reused across layers and steps (fresh multi-MB allocations are slow)."""
         numel = 1
@@ -55,3 +70,15 @@ class CacheStorage:
         if buf is None or buf.numel() < numel or buf.dtype != dtype:
             buf = self._workspaces[name] = torch.empty(max(numel, 1), dtype=dtype, device=self.layers[0].device)
         return buf[:numel].view(shape)
+
+
+def token_rows(layout: CacheLayout, page_bytes: torch.Tensor, kind: CacheKind, dtype: torch.dtype) -> torch.Tensor:
+    """The tokens held in pages of a full-precision kind, from their raw bytes ``[n, page_bytes]``
+    (a copy in the tier): K/V ``[n * block_size, 2, KVH, D]`` for kv, x ``[n * tokens, HID]`` for hidden."""
+    n, elems = page_bytes.shape[0], page_bytes.contiguous().view(dtype)
+    if kind is CacheKind.KV:
+        return elems.view(n * layout.block_size, 2, layout.num_kv_heads, layout.head_dim)
+    if kind is CacheKind.HIDDEN:
+        tpp = layout.tokens_per_page(kind)
+        return elems[:, : tpp * layout.hidden_size].reshape(n * tpp, layout.hidden_size)
+    raise ValueError(f"kind: {kind.value} pages are not read as full-precision tokens")

@@ -208,6 +208,16 @@ class SwapSpace:
             for layer, page_bytes in enumerate(dst):
                 page_bytes.index_copy_(0, p, staged[:, layer])
 
+    def gather(self, slots: list[int], device) -> torch.Tensor:
+        """The bytes of ``slots`` as one ``[n, num_layers, page_bytes]`` tensor on ``device`` (for a copy
+        that is converted on its way in, rather than copied byte for byte)."""
+        data = self._backing()
+        staged = torch.empty((len(slots), *data.shape[1:]), dtype=torch.uint8,
+                             pin_memory=torch.device(device).type == "cuda")
+        for j, slot in enumerate(slots):
+            staged[j].copy_(data[slot])
+        return staged.to(device, non_blocking=True)
+
     def _backing(self) -> torch.Tensor:
         if self._data is None:
             raise RuntimeError("this swap space has no backing memory (closed, or bookkeeping only)")

@@ -27,8 +27,8 @@ from apt_serve_ray.scheduler.value import importance, urgency
 _FIELDS = tuple(attrgetter(name) for name in ("arrival_time", "last_token_time", "first_token_time", "max_gap",
                                               "ttft_slo_ms", "tbt_slo_ms", "priority"))
 _NUM_COLUMNS = len(_FIELDS) + 1
-_TOKENS, _PAGES, _COMPUTED, _KIND = (attrgetter(name) for name in ("all_token_ids", "page_ids", "num_computed_tokens",
-                                                                     "kind"))
+_TOKENS, _PAGES, _COMPUTED, _KIND, _SLOTS = (attrgetter(name) for name in (
+    "all_token_ids", "page_ids", "num_computed_tokens", "kind", "swap_slots"))
 # The cache kinds in the order of ``Candidates.mem``'s rows and ``held``'s codes; KV first.
 KINDS = (CacheKind.KV, CacheKind.HIDDEN, CacheKind.KV_INT8, CacheKind.HIDDEN_INT8)
 KIND_CODE = {kind: code for code, kind in enumerate(KINDS)}
@@ -89,7 +89,7 @@ class Candidates:
     mem: np.ndarray  # [len(KINDS), n]: pages to hold num_tokens + 1 (this step's token) in each kind
     num_held: np.ndarray  # pages held now (0 for waiting)
     held: np.ndarray  # the kind of the pages held now, as its index in KINDS (NO_PAGES for waiting)
-    mem_held: np.ndarray  # pages each needs in the kind it holds now (KV for those holding none)
+    mem_held: np.ndarray  # pages each needs in the kind it holds now (or its copy in the tier; else KV)
     is_decoding: np.ndarray  # running, has a token, one token left to compute
     num_computed: np.ndarray
     arrival: np.ndarray
@@ -99,6 +99,9 @@ class Candidates:
     urgency: np.ndarray | None  # read only when the value model weighs it
     importance: np.ndarray | None
     priority: np.ndarray | None = None  # the requests' priority values (lower is more important)
+    # Waiting requests whose computed tokens wait in the tier below memory: the kind of that copy
+    # (as in ``held``; NO_PAGES for the others). Their ``num_computed`` is what the copy holds.
+    copy: np.ndarray | None = None
 
     @property
     def num(self) -> int:
@@ -121,6 +124,11 @@ class Candidates:
     def is_compressed(self) -> np.ndarray:
         """Holds pages of a compressed kind now."""
         return self.held > 0
+
+    @property
+    def current(self) -> np.ndarray:
+        """The kind of what each request holds, as in ``held``: its pages, or its copy in the tier."""
+        return self.held if self.copy is None else np.where(self.copy >= 0, self.copy, self.held)
 
     @property
     def need(self) -> np.ndarray:
@@ -171,6 +179,17 @@ class Candidates:
             held[:n_run] = np.fromiter(map(_HELD_CODE.__getitem__, map(_KIND, running)), dtype=np.int64, count=n_run)
             mem_held[:n_run] = mem[np.maximum(held[:n_run], 0), np.arange(n_run)]
             num_computed[:n_run] = np.fromiter(map(_COMPUTED, running), dtype=np.int64, count=n_run)
+        copy = None
+        if waiting:
+            # Read live, not carried in WaitingRows: a request admitted and preempted within one
+            # decision may come back without its copy. One C-level pass; the swapped are few.
+            swapped = np.flatnonzero(np.fromiter(map(len, map(_SLOTS, waiting)), dtype=np.int64, count=len(waiting)))
+            if swapped.size:
+                copy = np.full(n, NO_PAGES, dtype=np.int64)
+                rows = swapped + n_run
+                copy[rows] = [_HELD_CODE[waiting[i].kind] for i in swapped.tolist()]
+                num_computed[rows] = [waiting[i].num_computed_tokens for i in swapped.tolist()]
+                mem_held[rows] = mem[copy[rows], rows]
         is_decoding = np.zeros(n, dtype=bool)
         is_decoding[:n_run] = ~np.isnan(first[:n_run]) & (num_tokens[:n_run] - num_computed[:n_run] == 1)
 
@@ -181,4 +200,4 @@ class Candidates:
         if with_importance:
             imp = importance(priority)
         return cls(requests, n_run, num_tokens, mem, num_held, held, mem_held, is_decoding, num_computed,
-                   arrival, pending_s, missed, tbt_ms, urg, imp, priority)
+                   arrival, pending_s, missed, tbt_ms, urg, imp, priority, copy)

@@ -12,7 +12,7 @@ import time
 from collections import deque
 from itertools import compress
 
-from apt_serve_ray.cache.cache_manager import CacheManager
+from apt_serve_ray.cache.cache_manager import CacheManager, can_convert
 from apt_serve_ray.config import EngineConfig
 from apt_serve_ray.request import CacheKind, Request, RequestStatus
 from apt_serve_ray.scheduler.output import ScheduledChunk, SchedulerOutput
@@ -220,7 +220,8 @@ class SchedulingContext:
         """Run ``num_tokens`` more of ``request`` this step. False (nothing changed) if the token
         budget, the sequence limit or the free pages do not allow it. A swapped request comes back
         from the tier (pages of its kind, the copy planned); asked for another kind, its copy there is
-        dropped and it is recomputed in that kind (that stays so even when False is returned)."""
+        dropped and it is recomputed in that kind (that stays so even when False is returned), unless
+        the copy can be converted to it on the way in (``can_convert``: quantised to its int8 kind)."""
         # Called for every request of every batch: plain attribute reads, no property chains.
         chunks, request_id = self._chunks, request.request_id
         if request_id in chunks:
@@ -231,18 +232,19 @@ class SchedulingContext:
         if num_tokens > self.token_budget or len(chunks) >= self.config.max_num_seqs:
             return False
         cache = self._s.cache
-        if request.swap_slots and kind is not None and kind is not request.kind:
-            # Asked for another kind than its pages in the tier hold: that copy is of no use.
+        swapped = bool(request.swap_slots)
+        if swapped and kind is not None and not can_convert(request.kind, kind):
+            # Asked for a kind its copy in the tier cannot become: that copy is of no use.
             cache.drop_swapped(request)
-            num_computed = 0
-        if request.kind is None:
+            num_computed, swapped = 0, False
+        if request.kind is None or (swapped and kind is not None and kind is not request.kind):
             kind = kind or self.default_kind()
             if kind is not CacheKind.KV and kind not in self._s.compressed_kinds:
                 raise ValueError(f"kind: the {kind.value} cache kind is disabled for this model")
         elif kind is not None and kind is not request.kind:
             raise ValueError(f"kind: request {request_id} already holds {request.kind.value} pages")
-        if request.swap_slots:  # back from the tier: pages of its kind, the copy runs before the step
-            plan = cache.swap_in(request, num_computed + num_tokens)
+        if swapped:  # back from the tier (converted to ``kind`` if asked): the copy runs before the step
+            plan = cache.swap_in(request, num_computed + num_tokens, kind)
             if plan is None:
                 return False
             self._swap_ins[request_id] = plan

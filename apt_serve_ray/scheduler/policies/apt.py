@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from apt_serve_ray.cache.cache_manager import can_convert
 from apt_serve_ray.scheduler.candidates import KIND_CODE, KINDS, Candidates, WaitingRows
 from apt_serve_ray.scheduler.costs import StepCosts
 from apt_serve_ray.scheduler.knapsack import SKIP, greedy_choice
@@ -76,6 +77,8 @@ from apt_serve_ray.scheduler.value import FAIRNESS_PENALTY, MAX_WAIT_S, ValueWei
 
 
 _COMPRESSED = np.array([k.is_compressed for k in KINDS])
+# [copy's kind, kind] -> whether a copy in the tier comes back in that kind without a recompute.
+_COMES_BACK_AS = np.array([[can_convert(a, b) for b in KINDS] for a in KINDS])
 
 
 @register_policy
@@ -187,14 +190,16 @@ class AdaptiveScheduler(IterationShaper, SchedulingPolicy):
         # Memory the pinned and forced take first, in their current kind (KV for new forced ones).
         first = forced | pinned
         first_mem = c.mem_held
+        current = c.current  # waiting requests with a copy in the tier: its kind (swapped back in it)
         # One page of growth is reserved per running request, so admissions do not force memory
         # preemptions a few steps later (measured: 47 -> 14 preemptions, ShareGPT 4 req/s, simulated).
         capacity = ctx.num_free_pages + int(c.num_held[:n_run].sum()) - int(first_mem[first].sum()) - n_run
         rest = np.flatnonzero(~first)
-        held = c.held[rest]
-        comp_rest = held > 0
+        held = current[rest]
+        comp_rest = (held > 0) & (rest < n_run)
         # Options (columns): KV for every row; each offered kind for waiting rows; for running rows in
-        # the knapsack, the kind they hold too (stay, or upgrade to KV). Only kinds in use get a column.
+        # the knapsack, the kind they hold too (stay, or upgrade to KV), and for waiting ones with a
+        # copy in the tier, the copy's kind (swap it back in). Only kinds in use get a column.
         kinds = [0] + sorted(set(offered).union(held[comp_rest].tolist()))
         allowed = np.zeros((rest.size, len(kinds)), dtype=bool)
         allowed[:, 0] = True
@@ -202,6 +207,8 @@ class AdaptiveScheduler(IterationShaper, SchedulingPolicy):
         for j, k in enumerate(kinds[1:], 1):
             allowed[:, j] = (held == k) | (is_waiting if k in offered else False)
         values = value[rest, None] - kind_weight[rest, None] * self._per_page[kinds][None, :]
+        if c.copy is not None:
+            self._price_recompute(c, rest, kinds, values, allowed)
         # The ceiling: what compressed kinds may still take, plus what the rows in the knapsack hold
         # now (they are chosen again), less the growth of the first ones that hold compressed pages.
         comp_first = np.flatnonzero(first & c.is_compressed)
@@ -211,7 +218,7 @@ class AdaptiveScheduler(IterationShaper, SchedulingPolicy):
                                compressed=_COMPRESSED[kinds], compressed_limit=max(0, limit),
                                memory_weight=self.weights.memory_weight)
         chosen = first.copy()
-        kind = np.where(first, np.maximum(c.held, 0), SKIP)
+        kind = np.where(first, np.maximum(current, 0), SKIP)
         chosen[rest] = choice.option >= 0
         kind[rest] = np.where(chosen[rest], np.asarray(kinds)[np.maximum(choice.option, 0)], SKIP)
         density = self.weights.density(value, c.mem_kv)
@@ -225,6 +232,25 @@ class AdaptiveScheduler(IterationShaper, SchedulingPolicy):
         if self.priority_preemption and n > n_run and c.priority is not None:
             self._preempt_for_priority(c, plan)
         return plan
+
+    def _price_recompute(self, c: Candidates, rest: np.ndarray, kinds: list[int], values: np.ndarray,
+                         allowed: np.ndarray) -> None:
+        """A waiting request whose tokens wait in the tier comes back in the copy's kind, or converted
+        (``can_convert``: quantised to its int8 kind) at no extra cost; any other kind drops the copy and
+        recomputes its tokens, which delays the U requests that can still pass (priced as an eviction),
+        and at least the request itself: with U = 0 (all late) a free recompute tied with the copy and
+        the greedy's zero-value upgrade step threw the copy away whenever the KV pages fitted. Without
+        a step-time model to price it, a copy is never thrown away."""
+        copy = c.copy[rest]
+        has_copy = copy >= 0
+        if not has_copy.any():
+            return
+        lost = has_copy[:, None] & ~_COMES_BACK_AS[np.maximum(copy, 0)][:, kinds]
+        if self.step_model is None:
+            allowed &= ~lost
+            return
+        redo_s = (max(1, int((~c.missed).sum())) * self._prefill_token_s()) * c.num_computed[rest].astype(np.float64)
+        values -= np.where(lost, redo_s[:, None], 0.0)
 
     def _preempt_for_priority(self, c: Candidates, plan: Plan) -> None:
         """Let a waiting request that does not fit, and can still meet its SLO, take the pages of pinned
@@ -257,7 +283,7 @@ class AdaptiveScheduler(IterationShaper, SchedulingPolicy):
                 victims.remove(v)
                 plan.pinned[v] = plan.chosen[v] = False
                 plan.kind[v] = SKIP
-            plan.chosen[i], plan.kind[i] = True, 0
+            plan.chosen[i], plan.kind[i] = True, max(int(c.current[i]), 0)  # KV, or back in its copy's kind
             plan.spare += freed - int(c.mem_kv[i])
             changed = True
         if changed:

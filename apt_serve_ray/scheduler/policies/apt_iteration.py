@@ -99,7 +99,7 @@ class IterationShaper:
             if n <= 0:
                 continue
             kind = None
-            if r.kind is None:  # a new request: the chosen kind (only offered ones are chosen), else KV
+            if r.kind is None or r.swap_slots:  # new, or back from the tier: the chosen kind (KV where none)
                 kind = KINDS[kinds[i]] if kinds[i] > 0 else CacheKind.KV
             while not ctx.schedule(r, n, kind):
                 victim = self._next_victim(requests, victims, r, None if i < n_run else evictable)
