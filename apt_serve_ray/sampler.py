@@ -1,7 +1,11 @@
 """Token sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
 
-Greedy rows take one argmax for the whole batch. Sampled rows are filtered in a vectorised pass;
-the draw itself is per row so that a seeded request gets the same tokens whatever batch it is in.
+Greedy rows take one argmax for the whole batch. Sampled rows are filtered in a vectorised pass and
+drawn by inverse CDF: one uniform number per row (from the row's own generator where the request is
+seeded, so it gets the same tokens whatever batch it is in), one cumulative sum and one search for
+the batch. ``torch.multinomial`` (and the exponential race) draw a random number per vocabulary entry:
+on an AVX2 CPU of these machines 1.7-1.9 ms per row of OPT's 50,272 tokens, which made sixteen
+sampled requests cost 27 ms of a 38 ms decode step of a tiny model; the search costs ~0.1 ms a row.
 """
 
 from __future__ import annotations
@@ -46,8 +50,10 @@ class Sampler:
             rows = torch.tensor(sampled_rows)
             params = [requests[i].sampling_params for i in sampled_rows]
             probs = _filtered_probs(logits[rows], params)
+            u = torch.empty(len(sampled_rows), dtype=torch.float64)
             for j, i in enumerate(sampled_rows):
-                token_ids[i] = torch.multinomial(probs[j], 1, generator=self._generator_for(requests[i]))[0]
+                u[j] = torch.rand((), dtype=torch.float64, generator=self._generator_for(requests[i]))
+            token_ids[rows] = draw(probs, u)
         want_logprobs = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
         out = [SampledToken(int(t)) for t in token_ids.tolist()]
         if want_logprobs:
@@ -63,6 +69,17 @@ class Sampler:
                 top[tok] = out[i].logprob
                 out[i].top_logprobs = top
         return out
+
+
+def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs`` [n, V] (rows need not sum to exactly 1) by inverse CDF, given
+    uniform numbers ``u`` [n] in [0, 1): the first token whose cumulative mass exceeds ``u`` times the
+    row's total. A token of probability 0 is never drawn (its cumulative mass equals its predecessor's)."""
+    cdf = probs.double().cumsum(dim=-1)
+    total = cdf[:, -1:].contiguous()
+    token = torch.searchsorted(cdf, u.double().unsqueeze(1) * total, right=True)
+    # u * total rounds up to total only for u within an ulp of 1: then the last token with mass.
+    return torch.minimum(token, torch.searchsorted(cdf, total)).squeeze(1)
 
 
 def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
