@@ -67,6 +67,7 @@ import time
 from pathlib import Path
 
 from apt_serve_ray import LLM
+from apt_serve_ray import cpu_info
 from apt_serve_ray.bench import plots
 from apt_serve_ray.bench.driver import measure_unloaded_latency, replay, replay_simulated
 from apt_serve_ray.bench.simulator import MHA_LAYOUT, CostModel, SimulatedEngine
@@ -114,7 +115,7 @@ def policy_of(name: str) -> str:
 
 def build_engine(name: str, path: str, args) -> LLM:
     is_apt = name.startswith("apt")
-    return LLM(path, policy=policy_of(name), calibrate_rho=is_apt, dtype="bfloat16",
+    return LLM(path, policy=policy_of(name), calibrate_rho=is_apt, dtype=args.dtype,
                num_pages=args.num_pages, max_model_len=args.max_model_len,
                max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                num_threads=args.threads, enable_watermarks=False, **cache_options(name))
@@ -297,6 +298,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                    help="engine dtype (auto: bfloat16 on CPUs with native bf16, else float32, as the engine picks)")
     ap.add_argument("--cv", type=float, default=1.0, help="arrival burstiness (1 = Poisson)")
     ap.add_argument("--repeats", type=int, default=1, help="runs per (rate, policy); attainment is their mean")
     ap.add_argument("--seed", type=int, default=0)
@@ -337,7 +340,8 @@ def main(argv=None) -> int:
     report = {
         "command": " ".join(["benchmarks/serving_policies.py"] + (argv if argv is not None else sys.argv[1:])),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "git": _git_state(), "calibration": calibration, "workloads": {},
+        "git": _git_state(), "cpu": cpu_info.cpu_name(), "native_bf16": cpu_info.has_native_bf16(),
+        "calibration": calibration, "workloads": {},
     }
     for workload in args.workloads:
         report["workloads"][workload] = run_workload(workload, runners, args)
