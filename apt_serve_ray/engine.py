@@ -267,7 +267,7 @@ class LLMEngine:
         self.num_steps += 1
         self.last_step = StepStats(
             schedule_s=out.schedule_time_s, execute_s=now - t1, total_s=self.clock() - t0,
-            num_tokens=out.num_batched_tokens, num_seqs=len(out.chunks), num_upgrades=len(out.upgrades),
+            num_tokens=out.num_batched_tokens, num_seqs=len(out.chunks), num_upgrades=sum(p.is_upgrade for p in out.conversions),
             preempt_causes=tuple(out.preempt_causes), cache=self.cache_stats(),
             num_swap_outs=sum(out.preempt_swapped), num_swap_ins=len(out.swap_in),
         )
@@ -281,9 +281,11 @@ class LLMEngine:
                 self._emit(chunk.request, RequestEvent.SCHEDULED, now, num_tokens=chunk.num_tokens)
         for request, cause, swapped in zip(out.preempted, out.preempt_causes, out.preempt_swapped):
             self._emit(request, RequestEvent.PREEMPTED, now, cause=cause, swapped=swapped)
-        for plan in out.upgrades:
+        for plan in out.conversions:
             if plan.request_id in self.requests:
-                self._emit(self.requests[plan.request_id], RequestEvent.UPGRADED, now, num_tokens=plan.num_tokens)
+                event = RequestEvent.UPGRADED if plan.is_upgrade else RequestEvent.COMPRESSED
+                self._emit(self.requests[plan.request_id], event, now, num_tokens=plan.num_tokens,
+                           kind=plan.to_kind.value)
 
     def _on_token(self, request: Request, sampled, now: float) -> RequestOutput:
         token = sampled.token_id
@@ -334,7 +336,7 @@ class LLMEngine:
         metrics = RequestMetrics(
             request.arrival_time, request.first_scheduled_time, request.first_token_time, request.last_token_time,
             request.finish_time, list(request.token_times), request.num_preemptions, request.num_upgrades,
-            request.last_kind.value if request.last_kind else None,
+            request.last_kind.value if request.last_kind else None, request.num_compressions,
         )
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion], finished,
                              metrics, request.error)

@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from apt_serve_ray.cache.cache_manager import SwapPlan, UpgradePlan
+from apt_serve_ray.cache.cache_manager import ConversionPlan, SwapPlan
 from apt_serve_ray.cache.layout import CacheLayout
 from apt_serve_ray.cache.storage import CacheStorage, token_rows
 from apt_serve_ray.config import EngineConfig
@@ -114,8 +114,8 @@ class ModelRunner:
             for plan in out.swap_in:
                 if plan.is_conversion:
                     self._convert_in(plan)
-        for plan in out.upgrades:
-            self._upgrade(plan)
+        for plan in out.conversions:
+            self._convert(plan)
         if not out.chunks:
             return []
         input_ids, positions, meta, sample_rows, sample_requests = self._prepare(out.chunks)
@@ -211,19 +211,24 @@ class ModelRunner:
             tokens = token_rows(self.layout, staged[:, layer], plan.kind, self.dtype)[: plan.num_tokens]
             self.storage.write_int8(layer, plan.to_kind, dst_pages, dst_offs, tokens)
 
-    def _upgrade(self, plan: UpgradePlan) -> None:
-        """Fill the new KV pages from the old ones, layer by layer: K/V projected from stored x
-        (hidden), dequantised (kv-int8), or both (hidden-int8)."""
+    def _convert(self, plan: ConversionPlan) -> None:
+        """Fill a request's new pages from its old ones, layer by layer: to KV, K/V projected from stored
+        x (hidden), dequantised (kv-int8), or both (hidden-int8); to an int8 kind, the same content
+        (K/V, or x) quantised."""
         if plan.num_tokens == 0:
             return
         pos = torch.arange(plan.num_tokens)
-        tpp = self.layout.tokens_per_page(plan.from_kind)
-        src_pages = self._to(torch.tensor(plan.hidden_pages)[pos // tpp])
+        tpp, dst_tpp = self.layout.tokens_per_page(plan.from_kind), self.layout.tokens_per_page(plan.to_kind)
+        src_pages = self._to(torch.tensor(plan.src_pages)[pos // tpp])
         src_offs = self._to(pos % tpp)
-        dst_pages = self._to(torch.tensor(plan.kv_pages)[pos // self.layout.block_size])
-        dst_offs = self._to(pos % self.layout.block_size)
+        dst_pages = self._to(torch.tensor(plan.dst_pages)[pos // dst_tpp])
+        dst_offs = self._to(pos % dst_tpp)
         pos = self._to(pos)
         for layer in range(self.layout.num_layers):
+            if not plan.is_upgrade:
+                view = self.storage.kv if plan.from_kind is CacheKind.KV else self.storage.hidden
+                self.storage.write_int8(layer, plan.to_kind, dst_pages, dst_offs, view[layer][src_pages, src_offs])
+                continue
             k, v = read_kv(layer, self.storage, plan.from_kind, src_pages, src_offs,
                            self.model.kv_projections[layer], pos, self.dtype)
             self.storage.kv[layer][dst_pages, dst_offs] = torch.stack((k, v), dim=1)

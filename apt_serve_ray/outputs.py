@@ -34,6 +34,7 @@ class RequestMetrics:
     num_preemptions: int
     num_upgrades: int
     cache_kind: str | None
+    num_compressions: int = 0  # in place, to an int8 kind
 
 
 @dataclass

@@ -123,6 +123,7 @@ class Request:
         self.finish_time: float | None = None
         self.num_preemptions = 0
         self.num_upgrades = 0
+        self.num_compressions = 0  # in place, to an int8 kind (under memory pressure)
         self.num_swaps = 0  # preemptions that kept its pages in the tier below memory
 
     # Token counts -------------------------------------------------------------------------------

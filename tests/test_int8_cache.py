@@ -216,7 +216,7 @@ def test_upgrade_from_int8_writes_the_dequantised_kv_and_generation_continues(ch
                         engine.runner.dtype) for layer in range(engine.layout.num_layers)]
     plan = engine.cache.upgrade(request, request.num_tokens)
     assert plan.from_kind is kind_ and request.kind is CacheKind.KV
-    engine.runner._upgrade(plan)
+    engine.runner._convert(plan)
     new = torch.tensor(request.page_ids)[pos // 16], pos % 16
     for layer, (k, v) in enumerate(expected):
         kv = engine.runner.storage.kv[layer][new]

@@ -254,7 +254,7 @@ def test_preempted_after_an_upgrade_in_the_same_step_is_recomputed_and_the_upgra
     assert ctx.upgrade(r)
     ctx.preempt(r)  # its new KV pages would be filled only when the step runs: nothing to swap
     out = ctx.output()
-    assert out.upgrades == [] and out.swap_out == [] and out.preempt_swapped == [False]
+    assert out.conversions == [] and out.swap_out == [] and out.preempt_swapped == [False]
     assert r.num_computed_tokens == 0 and not r.is_swapped
     sim.cache.release_deferred()
     sim.llm_engine.check_integrity()
@@ -295,6 +295,30 @@ def test_a_swapped_request_asked_for_its_int8_kind_comes_back_quantised_without_
     sim.llm_engine.check_integrity()
     with pytest.raises(ValueError, match="cannot come back as hidden"):
         sim.cache.swap_in(r, computed + 1, CacheKind.HIDDEN)  # x is gone: only a recompute gives hidden
+
+
+@pytest.mark.parametrize("priced", [False, True], ids=["no-step-model", "step-model"])
+def test_apt_brings_a_compressed_copy_back_in_its_kind_after_the_ceiling_fell(priced):
+    # Admitted as kv-int8 under the ceiling (sarathi gives new requests the offered kind), swapped out,
+    # and the ceiling lowered to 0 meanwhile: under apt it comes back in its own kind (a running
+    # compressed request also keeps its pages past the ceiling), not recomputed in KV nor left waiting.
+    from apt_serve_ray.scheduler.policies.apt import AdaptiveScheduler
+
+    sim = _sim("sarathi", cache_kinds=["kv-int8"], cache_ratio=1.0)
+    r = _swapped_waiting(sim)
+    assert r.kind is CacheKind.KV_INT8
+    for other in list(sim.scheduler.running) + [w for w in sim.scheduler.waiting if w is not r]:
+        sim.llm_engine.abort_request(other.request_id)
+    sim.llm_engine.set_policy(AdaptiveScheduler(step_model=CostModel() if priced else None))
+    sim.llm_engine.adjust_cache_ratio(0.0)
+    computed = r.num_computed_tokens
+    out = sim.step()
+    assert not r.is_swapped and r.kind is CacheKind.KV_INT8
+    (plan,) = out.swap_in
+    assert not plan.is_conversion and plan.kind is CacheKind.KV_INT8
+    chunk = next(c for c in out.chunks if c.request is r)
+    assert r.num_computed_tokens == computed + chunk.num_tokens
+    sim.llm_engine.check_integrity()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -15,15 +15,22 @@ from apt_serve_ray.request import CacheKind, Request
 
 
 @dataclass(frozen=True)
-class UpgradePlan:
-    """Compressed -> KV in place: K/V of ``num_tokens`` tokens held in ``hidden_pages`` (of kind
-    ``from_kind``: projected from x, dequantised, or both) written into ``kv_pages``."""
+class ConversionPlan:
+    """A running request changes kind in place: the ``num_tokens`` tokens held in ``src_pages`` (of
+    ``from_kind``) are written into ``dst_pages`` (of ``to_kind``). An upgrade (to KV: K/V projected
+    from x, dequantised, or both) or a compression (``can_convert``: quantised to the int8 kind of the
+    same content). The source pages are released after the step has read them."""
 
     request_id: str
     num_tokens: int
-    hidden_pages: list[int]  # the source pages, whatever their kind
-    kv_pages: list[int]
+    src_pages: list[int]
+    dst_pages: list[int]
     from_kind: CacheKind = CacheKind.HIDDEN
+    to_kind: CacheKind = CacheKind.KV
+
+    @property
+    def is_upgrade(self) -> bool:
+        return self.to_kind is CacheKind.KV
 
 
 # Kinds a copy in the tier can be turned into on its way back, without recomputing: quantised as it
@@ -168,21 +175,45 @@ class CacheManager:
             request.kind = None
             request.num_computed_tokens = 0
 
-    def upgrade(self, request: Request, num_total_tokens: int) -> UpgradePlan | None:
+    def upgrade(self, request: Request, num_total_tokens: int) -> ConversionPlan | None:
         """Switch a request in a compressed kind to KV pages big enough for ``num_total_tokens``; the
-        runner fills them from the old pages. Returns None if there is not enough memory."""
+        runner fills them from the old pages, which come back after the step. Returns None if there is
+        not enough memory."""
         if request.kind is None or not request.kind.is_compressed:
             raise ValueError(f"request {request.request_id} holds no compressed pages")
-        num = self.layout.num_pages_for(num_total_tokens, CacheKind.KV)
-        kv_pages = self.pool.allocate(num, CacheKind.KV, request.request_id)
-        if kv_pages is None:
+        pages = self.pool.allocate(self.layout.num_pages_for(num_total_tokens, CacheKind.KV), CacheKind.KV,
+                                   request.request_id)
+        if pages is None:
             return None
-        plan = UpgradePlan(request.request_id, request.num_computed_tokens, list(request.page_ids), kv_pages,
-                           request.kind)
-        self._deferred.append((plan.hidden_pages, request.request_id))
+        plan = ConversionPlan(request.request_id, request.num_computed_tokens, list(request.page_ids), pages,
+                              request.kind, CacheKind.KV)
+        self._deferred.append((plan.src_pages, request.request_id))
         request.kind = request.last_kind = CacheKind.KV
-        request.page_ids = kv_pages
+        request.page_ids = pages
         request.num_upgrades += 1
+        return plan
+
+    def compress(self, request: Request, kind: CacheKind) -> ConversionPlan:
+        """Switch a running request's pages to ``kind`` in place, quantising them (kv -> kv-int8,
+        hidden -> hidden-int8: ``can_convert``). It needs no free page: its tokens go into the first of
+        its own pages (the runner reads a layer's tokens before it writes that layer), and the rest come
+        back after the step (``release_deferred``)::
+
+            before   [p0 p1 p2 p3 p4 p5 p6]  kv, 16 tokens a page
+            after    [p0 p1 p2 p3]           kv-int8, 30 tokens a page; p4-p6 freed after the step
+        """
+        if request.kind is None or request.kind is kind or not can_convert(request.kind, kind):
+            raise ValueError(f"kind: request {request.request_id}'s {getattr(request.kind, 'value', None)} "
+                             f"pages cannot be compressed to {kind.value}")
+        pages, rid = list(request.page_ids), request.request_id
+        num = self.layout.num_pages_for(request.num_computed_tokens, kind)
+        plan = ConversionPlan(rid, request.num_computed_tokens, pages, pages[:num], request.kind, kind)
+        self.pool.retag(plan.dst_pages, kind, rid)
+        if pages[num:]:
+            self._deferred.append((pages[num:], rid))
+        request.kind = request.last_kind = kind
+        request.page_ids = pages[:num]
+        request.num_compressions += 1
         return plan
 
     def release_deferred(self) -> None:

@@ -54,6 +54,15 @@ class PagePool:
         self._num_used[kind] += num
         return pages
 
+    def retag(self, pages: list[int], kind: CacheKind, owner: str) -> None:
+        """Owned pages change kind (a request compressed in place keeps some of its pages)."""
+        for page in pages:
+            if self._owner[page] != owner:
+                raise RuntimeError(f"page {page} is owned by {self._owner[page]!r}, not {owner!r}")
+            self._num_used[self._kind[page]] -= 1
+            self._kind[page] = kind
+            self._num_used[kind] += 1
+
     def free(self, pages: list[int], owner: str) -> None:
         for page in pages:
             if self._owner[page] != owner:

@@ -77,7 +77,9 @@ class EngineMetrics(EngineObserver):
         self.slo = b.counter("apt_serve_slo_total", "Finished requests by SLO result (met / missed_ttft / missed_tbt)",
                              r + ("result",))
         self.preemptions = b.counter("apt_serve_preemptions_total", "Preemptions by cause", r + ("cause",))
-        self.upgrades = b.counter("apt_serve_upgrades_total", "Hidden -> KV in-place upgrades", r)
+        self.upgrades = b.counter("apt_serve_upgrades_total", "Compressed -> KV in-place upgrades", r)
+        self.compressions = b.counter("apt_serve_compressions_total",
+                                      "In-place compressions of running requests to an int8 kind", r)
         self.waiting = b.gauge("apt_serve_requests_waiting", "Requests waiting", t)
         self.running = b.gauge("apt_serve_requests_running", "Requests running", t)
         self.pages = b.gauge("apt_serve_cache_pages", "Cache pages by kind (kv, hidden, kv-int8, hidden-int8, free)",
@@ -103,6 +105,8 @@ class EngineMetrics(EngineObserver):
             self.preemptions.inc(1, self._request_tags(request, cause=attrs.get("cause", "memory")))
         elif event is RequestEvent.UPGRADED:
             self.upgrades.inc(1, self._request_tags(request))
+        elif event is RequestEvent.COMPRESSED:
+            self.compressions.inc(1, self._request_tags(request))
         elif event is RequestEvent.FINISHED:
             rec = request_record(request)
             tags = self._request_tags(request)

@@ -20,6 +20,7 @@ class RequestEvent(str, enum.Enum):
     FIRST_TOKEN = "first_token"
     PREEMPTED = "preempted"
     UPGRADED = "upgraded"
+    COMPRESSED = "compressed"  # in place, to an int8 kind
     FINISHED = "finished"
 
 
@@ -57,6 +58,7 @@ def request_record(request: Request) -> dict:
         "kind": request.last_kind.value if request.last_kind else None,
         "preemptions": request.num_preemptions,
         "upgrades": request.num_upgrades,
+        "compressions": request.num_compressions,
         "priority": request.priority,
         "service_class": request.service_class,
         "ttft_slo_s": request.ttft_slo_ms / 1000.0,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from apt_serve_ray.cache.cache_manager import SwapPlan, UpgradePlan
+from apt_serve_ray.cache.cache_manager import ConversionPlan, SwapPlan
 from apt_serve_ray.request import Request
 
 
@@ -22,7 +22,8 @@ class ScheduledChunk:
 @dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
-    upgrades: list[UpgradePlan] = field(default_factory=list)  # run before the forward pass
+    # In-place kind changes (upgrades to KV, compressions to int8), run before the forward pass.
+    conversions: list[ConversionPlan] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     schedule_time_s: float = 0.0
     preempt_causes: list[str] = field(default_factory=list)  # parallel to ``preempted``
@@ -41,4 +42,4 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         """Nothing to run. A step that only swaps out still runs: the freed pages' bytes must reach
         the slots before any later step writes them."""
-        return not self.chunks and not self.upgrades and not self.swap_out and not self.swap_in
+        return not self.chunks and not self.conversions and not self.swap_out and not self.swap_in

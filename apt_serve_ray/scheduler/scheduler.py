@@ -129,7 +129,7 @@ class SchedulingContext:
         # admission, and the adaptive policy admits by value, not from the head.
         self._admitted: set[int] = set()  # their id()s: dropping them must not touch every waiting request
         self._readmitted = False  # one of them was preempted again: it is in the deque twice
-        self._upgrades = []
+        self._conversions = []  # in place: upgrades and compressions
         self._preempted: list[Request] = []
         self._causes: list[str] = []
         self._swapped: list[bool] = []  # parallel to _preempted
@@ -288,9 +288,9 @@ class SchedulingContext:
             cache.undo_swap_in(request, plan)
             self._s.num_swap_outs += 1
             return True
-        upgraded = [p for p in self._upgrades if p.request_id == request_id]
-        if upgraded:  # its new KV pages are filled only when the step runs: nothing to swap, no upgrade
-            self._upgrades.remove(upgraded[0])
+        converted = [p for p in self._conversions if p.request_id == request_id]
+        if converted:  # its new pages are filled only when the step runs: nothing to swap, no conversion
+            self._conversions.remove(converted[0])
         elif self._s.should_swap(request):
             plan = cache.swap_out(request)
             if plan is not None:
@@ -305,10 +305,28 @@ class SchedulingContext:
         """Hidden -> KV in place for a running request (before it is scheduled this step)."""
         if self.is_scheduled(request):
             raise ValueError(f"request {request.request_id}: upgrade before scheduling it")
+        if any(p.request_id == request.request_id for p in self._conversions):
+            return False  # one kind change a step (its pages were just compressed, or upgraded)
         plan = self.cache.upgrade(request, request.num_computed_tokens)
         if plan is None:
             return False
-        self._upgrades.append(plan)
+        self._conversions.append(plan)
+        return True
+
+    def can_compress(self, request: Request, kind: CacheKind) -> bool:
+        """Whether ``request`` (running, holding pages, not yet scheduled this step) can be compressed
+        to ``kind`` in place now: the kind is offered and its pages convert to it."""
+        return (kind in self.compressed_kinds and request.kind is not None and request.kind is not kind
+                and can_convert(request.kind, kind) and bool(request.page_ids) and not self.is_scheduled(request)
+                and not any(p.request_id == request.request_id for p in self._conversions))
+
+    def compress(self, request: Request, kind: CacheKind) -> bool:
+        """KV -> kv-int8 (hidden -> hidden-int8) in place for a running request, before it is scheduled
+        this step (``CacheManager.compress``: no free page needed; the pages it gives up are free from
+        the next step). False (nothing changed) where ``can_compress`` says no."""
+        if not self.can_compress(request, kind):
+            return False
+        self._conversions.append(self.cache.compress(request, kind))
         return True
 
     def drop_admitted_from_waiting(self) -> None:
@@ -327,6 +345,6 @@ class SchedulingContext:
         self._readmitted = False
 
     def output(self) -> SchedulerOutput:
-        return SchedulerOutput(list(self._chunks.values()), list(self._upgrades), list(self._preempted),
+        return SchedulerOutput(list(self._chunks.values()), list(self._conversions), list(self._preempted),
                                preempt_causes=list(self._causes), swap_out=list(self._swap_outs),
                                swap_in=list(self._swap_ins.values()), preempt_swapped=list(self._swapped))
