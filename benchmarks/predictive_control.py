@@ -75,6 +75,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--admission-share", type=float, default=1.0, help="predictive_admission_share (1: never tighten)")
     p.add_argument("--ttft-slo-ms", type=float, default=3000.0)
     p.add_argument("--tbt-slo-ms", type=float, default=1000.0)
+    p.add_argument("--stream-interval", type=float, default=0.05,
+                   help="the app's stream_interval_s (0: one stream item per decode step)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-cpus", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="on/off and CV 4 only, 80 s each")
@@ -129,7 +131,8 @@ def offline_errors(trace, horizon: float) -> dict:
 def app_args(a, model: str, mode: str) -> dict:
     args = {"model": model, "num_replicas": 2, "num_pages": a.num_pages, "num_threads": 1, "max_num_seqs": 16,
             "num_cpus_per_replica": 0.5, "policy": a.policy, "control_interval_s": 0.25,
-            "routing_stats_period_s": 0.5, "dtype": "float32", "cache_kinds": a.cache_kinds.split(",")}
+            "routing_stats_period_s": 0.5, "dtype": "float32", "cache_kinds": a.cache_kinds.split(","),
+            "stream_interval_s": a.stream_interval}
     if mode.endswith("-refuse"):
         args["heavy_watermark_action"] = "refuse"
     if mode.startswith("predictive"):

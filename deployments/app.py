@@ -83,6 +83,11 @@ class _AppArgs(BaseModel):
     # measured through Serve on 2 CPU cores: saturated output 188 -> 233 tok/s, TPOT 12.8 -> 10.7 ms.
     engine_process: bool = True
     engine_options: dict[str, Any] = Field(default_factory=dict)  # older spelling of engine arguments
+    # Streaming: after the first token, at most one item per stream_interval_s seconds goes from a replica
+    # to the router (never more than a quarter of the request's TBT target); the tokens of the steps in
+    # between travel together. Each item costs CPU in the replica, the router and the proxy; see
+    # docs/benchmarks.md (issue 14) for what one item per decode step cost on 2 cores. 0: one per step.
+    stream_interval_s: NonNegativeFloat = 0.05
     # Controller (deployments/cluster_control.py: the rules per replica, cluster-wide and on the forecast).
     control_interval_s: PositiveFloat = 0.5
     retry_after_s: PositiveFloat = 2.0
@@ -200,7 +205,7 @@ def build_app(args: AppArgs | dict) -> Application:
             request_routing_stats_timeout_s=max(args.routing_stats_period_s, 5.0)),
     ).bind(config, controller, args.policy_weights, args.control_interval_s, {
         "model_name": args.served_model_name or args.model, "tracing_exporter": args.tracing_exporter,
-        "mirror_metrics": args.mirror_metrics}, pin)
+        "mirror_metrics": args.mirror_metrics}, pin, stream_interval_s=args.stream_interval_s)
     max_in_flight = (args.max_in_flight_per_replica or config.max_num_seqs) * args.num_replicas
     router_options = RouterOptions(
         model=args.model, served_model_name=args.served_model_name, tokenizer=args.tokenizer,

@@ -60,14 +60,20 @@ def replica_seed(base: int, replica_id: str) -> int:
 class EngineReplica:
     async def __init__(self, engine_config: EngineConfig, controller=None, policy_options: dict | None = None,
                        report_interval_s: float = 0.5, observability: dict | None = None,
-                       pin_cpus: bool = False) -> None:
+                       pin_cpus: bool = False, stream_interval_s: float = 0.0) -> None:
         """``engine_config``: its watermarks are the ones the memory timeline draws (in the app, the
         controller's; the engine's own rule is off there).
         ``observability``: ``{"model_name", "tracing_exporter", "mirror_metrics"}`` (all optional;
         with ``engine_config.engine_process`` the engine, its spans and its timeline live in a process of
         its own, and its metrics are replayed here).
         ``pin_cpus``: give the engine's compute thread CPUs of its own (``apt_serve_ray.cpu_affinity``)
-        and keep this process's other threads off them; needs ``num_threads``."""
+        and keep this process's other threads off them; needs ``num_threads``.
+        ``stream_interval_s``: after the first token, a request's stream sends at most one item per
+        this many seconds (the tokens in between travel together), and never more than a quarter of
+        the request's TBT target (``deployments.streaming.coalesced``)."""
+        if stream_interval_s < 0:
+            raise ValueError(f"stream_interval_s: must be >= 0, got {stream_interval_s}")
+        self._stream_interval_s = stream_interval_s
         if policy_options:
             engine_config = engine_config.replace(policy_options={**(engine_config.policy_options or {}),
                                                                    **policy_options})
@@ -92,6 +98,7 @@ class EngineReplica:
         self.engine = AsyncLLMEngine(engine_config, observers=observers, metrics_backend=self._metrics)
         self.actor_name = ray.get_runtime_context().get_actor_name()
         self.model = engine_config.model
+        self._default_tbt_slo_ms = engine_config.default_tbt_slo_ms
         if engine_config.cpu_affinity:
             # Ray's threads here (and those it starts later, which inherit) go to the other CPUs; the
             # engine's loop thread, started next, pins itself to its own.
@@ -141,13 +148,19 @@ class EngineReplica:
                 finished = first.finished
                 if not finished:
                     merge = lambda outs: StreamItem.merge([self._item(o) for o in outs])  # noqa: E731
-                    async with contextlib.aclosing(coalesced(stream, merge)) as items:
+                    async with contextlib.aclosing(coalesced(stream, merge, self._interval_s(request))) as items:
                         async for item in items:
                             yield item
                             finished = item.is_final
             finally:
                 if not finished:
                     self.num_aborted += 1
+
+    def _interval_s(self, request: EngineRequest) -> float:
+        """How long a stream item of this request waits for more tokens: ``stream_interval_s``, at most
+        a quarter of its TBT target (its own or the engine's default)."""
+        tbt_ms = request.tbt_slo_ms if request.tbt_slo_ms is not None else self._default_tbt_slo_ms
+        return min(self._stream_interval_s, 0.25e-3 * tbt_ms)
 
     def _item(self, out, first: bool = False) -> StreamItem:
         c, m = out.outputs[0], out.metrics

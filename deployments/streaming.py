@@ -7,11 +7,18 @@ reads its source in a task and yields, each time the consumer asks, everything t
 the last item, merged into one: one token per item while the consumer keeps up, a few per item when
 it does not, so a client is never more than about one transport delay behind the engine. (Token
 streams merge with ``deployments.wire.StreamItem.merge``.)
+
+``min_interval_s`` paces the items as well (like vLLM's ``stream_interval``, but in time): after an
+item, the next waits until that much time has passed, so that a fast consumer too gets the tokens of
+several engine steps per item. Each Ray item costs CPU in the replica, the router and the proxy
+alike; on a 2-core machine, streaming one item per decode step took more CPU than the two engines
+(docs/benchmarks.md, issue 14). The end of the stream and an error are never held back.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, TypeVar
 
@@ -26,10 +33,15 @@ class _Failed:
 _END = object()
 
 
-async def coalesced(source: AsyncIterator[T], merge: Callable[[list[T]], T]) -> AsyncIterator[T]:
-    """Items of ``source``, each yield merging all that arrived since the previous one. An error
-    in ``source`` is raised after the items before it; closing this generator cancels ``source``."""
+async def coalesced(source: AsyncIterator[T], merge: Callable[[list[T]], T],
+                    min_interval_s: float = 0.0) -> AsyncIterator[T]:
+    """Items of ``source``, each yield merging all that arrived since the previous one, at most one
+    per ``min_interval_s`` (counted from the call, then from each yield) unless the source ends. An
+    error in ``source`` is raised after the items before it; closing this generator cancels ``source``."""
+    if min_interval_s < 0:
+        raise ValueError(f"min_interval_s: must be >= 0, got {min_interval_s}")
     queue: asyncio.Queue = asyncio.Queue()
+    ended = asyncio.Event()
 
     async def pump() -> None:
         try:
@@ -38,16 +50,25 @@ async def coalesced(source: AsyncIterator[T], merge: Callable[[list[T]], T]) -> 
             queue.put_nowait(_END)
         except Exception as exc:  # noqa: BLE001 - handed to the consumer, in order
             queue.put_nowait(_Failed(exc))
+        ended.set()
 
     task = asyncio.create_task(pump())
+    last = time.monotonic()
     try:
         while True:
             batch = [await queue.get()]
+            wait_s = last + min_interval_s - time.monotonic()
+            if wait_s > 0 and not ended.is_set():
+                try:  # let more pile up, but not past the end of the stream
+                    await asyncio.wait_for(ended.wait(), wait_s)
+                except asyncio.TimeoutError:
+                    pass
             while not queue.empty():
                 batch.append(queue.get_nowait())
             end = next((i for i, x in enumerate(batch) if x is _END or isinstance(x, _Failed)), len(batch))
             if end:
                 yield merge(batch[:end])
+                last = time.monotonic()
             if end < len(batch):
                 if isinstance(batch[end], _Failed):
                     raise batch[end].error

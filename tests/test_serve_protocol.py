@@ -152,3 +152,40 @@ def test_api_keys_accept_any_configured_key_and_nothing_else():
     assert ApiKeys().is_valid(None)  # no keys: no auth
     with pytest.raises(ValueError, match="api_keys"):
         resolve_keys(["sk-one", ""])
+
+
+async def _timed(n, every_s, end_after_s=0.0):
+    for i in range(n):
+        yield _item(i)
+        await asyncio.sleep(every_s)
+    await asyncio.sleep(end_after_s)
+
+
+@pytest.mark.asyncio
+async def test_coalesced_min_interval_paces_a_fast_consumer_and_keeps_every_token():
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    out = [m async for m in coalesced(_timed(40, 0.005), StreamItem.merge, min_interval_s=0.05)]
+    elapsed = loop.time() - start
+    assert [t for m in out for t in m.token_ids] == list(range(40))
+    # ~0.2 s of tokens at one item per 50 ms: about 4-5 items, not 40 (one per token without pacing).
+    assert 2 <= len(out) <= 8, len(out)
+    assert elapsed < 0.5
+    unpaced = [m async for m in coalesced(_timed(10, 0.005), StreamItem.merge)]
+    assert len(unpaced) == 10
+
+
+@pytest.mark.asyncio
+async def test_coalesced_min_interval_never_holds_back_the_end_or_an_error():
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    out = [m async for m in coalesced(_timed(3, 0.0), StreamItem.merge, min_interval_s=5.0)]
+    assert [t for m in out for t in m.token_ids] == [0, 1, 2]
+    assert loop.time() - start < 1.0  # the source ended: no 5-s wait
+    start = loop.time()
+    with pytest.raises(RuntimeError, match="engine died"):
+        async for _ in coalesced(_source([_item(0), _item(1)], fail_at=1), StreamItem.merge, min_interval_s=5.0):
+            pass
+    assert loop.time() - start < 1.0
+    with pytest.raises(ValueError, match="min_interval_s"):
+        await anext(coalesced(_timed(1, 0.0), StreamItem.merge, min_interval_s=-1.0))
