@@ -212,6 +212,11 @@ def summarize_run(timelines, duration: float, trace, shape) -> dict:
     if shape is not None:
         peak = [t for t, r in zip(timelines, trace) if shape.rate(np.array([r.arrival_s]))[0] == shape.high]
         out["peak_attainment"] = sum(passes_slo(t) for t in peak) / max(1, len(peak))
+    # Per request (arrival in the trace, TTFT, passed, error), to see *when* requests miss: at a peak's
+    # onset (the controller's lag) or all through it (capacity).
+    out["requests"] = [{"arrival_s": round(r.arrival_s, 3), "passed": passes_slo(t), "error": t.error,
+                        "ttft_s": None if t.first_token_s is None else round(t.first_token_s - t.arrival_s, 3)}
+                       for t, r in zip(timelines, trace)]
     return out
 
 
