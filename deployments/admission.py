@@ -12,6 +12,16 @@ A request's score is the density of the value model the adaptive policy uses
 ``importance`` is how many priority levels it is ahead of the least important waiting request
 (lower ``priority`` = more important, as in vLLM). Ties go to the earliest arrival, and a request
 that has waited ``max_wait_s`` goes before every scored one, so a large request cannot starve.
+
+A request that can no longer meet its TTFT target keeps ``fairness_penalty`` of its value, as in the
+engine (``value.py``): here "can no longer" means it would pass its deadline even if let through now,
+``now + expected_ttft_s > deadline``, where ``expected_ttft_s`` is what an admitted request has been
+taking to its first token (a moving average; the router reports each one, ``observe_ttft``). Without it,
+the oldest request went first, and under a backlog longer than the TTFT target the oldest have
+missed already: FIFO served only requests that had missed while the ones that could still pass
+waited until they had missed too, and attainment collapsed at every peak the engines could not keep
+up with (docs/benchmarks.md, issue 14). They still go through when nobody who can pass is waiting,
+or once they have waited ``max_wait_s``.
 The weights and ``max_wait_s`` default to the engine's (``ValueWeights()``, ``MAX_WAIT_S``: the ``apt``
 policy's defaults), so the router and the engines order requests by one value model; the app passes
 the policy's weights when the operator sets them (``deployments/app.py``).
@@ -33,9 +43,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from apt_serve_ray.scheduler.value import MAX_WAIT_S, ValueWeights, importance, urgency
+from apt_serve_ray.scheduler.value import FAIRNESS_PENALTY, MAX_WAIT_S, ValueWeights, importance, urgency
 
 ADMISSION_WEIGHTS = ValueWeights()  # the engine's value model's defaults
+TTFT_SMOOTHING = 0.1  # weight of the newest sample in ``expected_ttft_s``
 
 
 @dataclass
@@ -58,11 +69,16 @@ class QueueFull(Exception):
 
 class AdmissionQueue:
     def __init__(self, max_in_flight: int, max_queued: int, weights: ValueWeights = ADMISSION_WEIGHTS,
-                 slack_s: float | None = None, max_wait_s: float = MAX_WAIT_S) -> None:
+                 slack_s: float | None = None, max_wait_s: float = MAX_WAIT_S,
+                 fairness_penalty: float = FAIRNESS_PENALTY) -> None:
         if max_in_flight < 1 or max_queued < 0:
             raise ValueError(f"max_in_flight must be >= 1 and max_queued >= 0, got {max_in_flight}, {max_queued}")
+        if not 0.0 < fairness_penalty <= 1.0:
+            raise ValueError(f"fairness_penalty: must be in (0, 1], got {fairness_penalty!r}")
         self.max_in_flight, self.max_queued = max_in_flight, max_queued
         self.weights, self.slack_s, self.max_wait_s = weights, slack_s, max_wait_s
+        self.fairness_penalty = fairness_penalty
+        self.expected_ttft_s = 0.0  # from admission to first token; the router keeps it current
         self.num_in_flight = 0
         self.held = False  # no slot is granted while held (``hold``)
         self._waiting: list[tuple[Ticket, asyncio.Future]] = []  # arrival order
@@ -121,6 +137,11 @@ class AdmissionQueue:
         self.held = held
         self._grant()
 
+    def observe_ttft(self, seconds: float) -> None:
+        """One admitted request's time from admission to its first token: a moving average of these is
+        ``expected_ttft_s``."""
+        self.expected_ttft_s += TTFT_SMOOTHING * (seconds - self.expected_ttft_s)
+
     def _grant(self) -> None:
         while not self.held and self._waiting and self.num_in_flight < self.max_in_flight:
             now = time.monotonic()
@@ -144,4 +165,6 @@ class AdmissionQueue:
             slack = [t.ttft_slo_s for t in tickets] if self.slack_s is None else self.slack_s
             urg = urgency(now, [t.deadline for t in tickets], slack)
         imp = importance([t.priority for t in tickets]) if w.priority_weight else None
-        return w.density(w.value(waited, urg, imp), np.array([t.num_pages for t in tickets], dtype=np.int64))
+        missed = np.array([now + self.expected_ttft_s > t.deadline for t in tickets])
+        value = w.value(waited, urg, imp, missed=missed, fairness_penalty=self.fairness_penalty)
+        return w.density(value, np.array([t.num_pages for t in tickets], dtype=np.int64))

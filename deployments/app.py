@@ -21,7 +21,7 @@ from ray.serve.config import RequestRouterConfig
 from apt_serve_ray.config import EngineConfig
 from apt_serve_ray.model_loader import DEFAULT_MODEL
 from apt_serve_ray.scheduler.registry import make_policy
-from apt_serve_ray.scheduler.value import MAX_WAIT_S, ValueWeights
+from apt_serve_ray.scheduler.value import FAIRNESS_PENALTY, MAX_WAIT_S, ValueWeights
 from deployments.admission import ADMISSION_WEIGHTS
 from deployments.auth import resolve_keys
 from deployments.controller import Controller
@@ -213,6 +213,7 @@ def build_app(args: AppArgs | dict) -> Application:
         max_in_flight=max(1, max_in_flight // args.num_routers), max_queued_requests=args.max_queued_requests,
         admission_weights=admission_weights(args, config),
         max_wait_s=policy_kwargs(args, config).get("max_wait_time", MAX_WAIT_S),
+        fairness_penalty=policy_kwargs(args, config).get("fairness_penalty", FAIRNESS_PENALTY),
         service_classes=args.service_classes, default_service_class=args.default_service_class,
         poll_interval_s=min(0.25, args.control_interval_s),
         tracing_exporter=args.tracing_exporter, mirror_metrics=args.mirror_metrics, engine_cpus=engine_cpus,

@@ -36,7 +36,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
 from opentelemetry.propagate import inject
-from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveFloat, PositiveInt, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, SecretStr
 from ray import serve
 from ray.exceptions import RayError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -44,7 +44,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from apt_serve_ray.model_loader import generation_defaults, load_tokenizer, resolve_model
 from apt_serve_ray.observability.metrics import NO_SERVICE_CLASS
 from apt_serve_ray.observability.tracing import configure_tracing, finished_spans
-from apt_serve_ray.scheduler.value import MAX_WAIT_S, ValueWeights
+from apt_serve_ray.scheduler.value import FAIRNESS_PENALTY, MAX_WAIT_S, ValueWeights
 from deployments import openai_protocol as oai
 from deployments import auth, responses
 from deployments.admission import ADMISSION_WEIGHTS, AdmissionQueue, QueueFull
@@ -79,6 +79,8 @@ class RouterOptions(BaseModel):
     # None: a request's urgency rises over its whole TTFT target, as in the engine's value model.
     urgency_slack_s: Optional[PositiveFloat] = None
     max_wait_s: PositiveFloat = MAX_WAIT_S  # a request waiting this long is admitted first (apt's max_wait_time)
+    # Share of its value a waiting request keeps once it can no longer meet its TTFT target (apt's).
+    fairness_penalty: float = Field(FAIRNESS_PENALTY, gt=0.0, le=1.0)
     poll_interval_s: PositiveFloat = 0.25  # how often the controller's state is read
     tracing_exporter: Literal["none", "console", "otlp", "memory"] = "none"
     mirror_metrics: bool = False
@@ -122,7 +124,8 @@ class Router:
             default_ttft_slo_ms=options.default_ttft_slo_ms, output_horizon_tokens=options.output_horizon_tokens,
             service_classes=ServiceClasses(options.service_classes, options.default_service_class))
         self.admission = AdmissionQueue(options.max_in_flight, options.max_queued_requests,
-                                        options.admission_weights, options.urgency_slack_s, options.max_wait_s)
+                                        options.admission_weights, options.urgency_slack_s, options.max_wait_s,
+                                        options.fairness_penalty)
         self.created = int(time.time())
         self.state: ControllerState | None = None
         self.state_time = 0.0
@@ -375,6 +378,7 @@ class Router:
         if self.refuses_at_once():
             raise self._closed()
         await self._acquire(prepared.ticket)
+        admitted = time.monotonic()
         if span is not None:
             span.add_event("admitted")
         started = finished = False
@@ -386,8 +390,9 @@ class Router:
                     if isinstance(item, InvalidRequest):
                         raise oai.from_value_error(ValueError(item.message))
                     if not started:
-                        self.metrics.first_token(time.monotonic() - prepared.received, item.engine_ttft_s,
-                                                 request.service_class)
+                        now = time.monotonic()
+                        self.metrics.first_token(now - prepared.received, item.engine_ttft_s, request.service_class)
+                        self.admission.observe_ttft(now - admitted)
                         if span is not None:
                             span.add_event("first_token")
                     started, finished = True, item.is_final

@@ -203,3 +203,48 @@ async def test_a_request_that_stops_waiting_during_a_hold_leaves_the_line():
     queue.hold(False)
     await queue.acquire(Ticket(1, 1.0))
     assert queue.num_in_flight == 1
+
+
+@pytest.mark.asyncio
+async def test_a_request_that_can_no_longer_meet_its_ttft_goes_after_those_that_can():
+    """Oldest-first would serve the one that has missed (waited 5 s of a 3-s target) while the others
+    wait until they have missed too: under a backlog longer than the target, nobody would pass."""
+    now = time.monotonic()
+    weights = ValueWeights(slo_weight=0, priority_weight=0)
+    tickets = [Ticket(4, 3.0, arrival=now - 5.0),   # missed
+               Ticket(4, 3.0, arrival=now - 1.0),   # 2 s left
+               Ticket(4, 3.0, arrival=now - 0.5)]   # 2.5 s left
+    assert await admitted_order(AdmissionQueue(1, 10, weights), list(tickets)) == [1, 2, 0]
+    # fairness_penalty 1: a missed request keeps its whole value, and the oldest goes first again.
+    assert await admitted_order(AdmissionQueue(1, 10, weights, fairness_penalty=1.0), list(tickets)) == [0, 1, 2]
+
+
+@pytest.mark.asyncio
+async def test_a_deadline_nearer_than_the_measured_ttft_counts_as_missed():
+    now = time.monotonic()
+    weights = ValueWeights(slo_weight=0, priority_weight=0)
+    tickets = [Ticket(4, 3.0, arrival=now - 2.0),   # 1 s left: missed if admission -> first token takes 1.5 s
+               Ticket(4, 3.0, arrival=now - 0.5)]
+    queue = AdmissionQueue(1, 10, weights)
+    assert queue.expected_ttft_s == 0.0
+    for _ in range(100):
+        queue.observe_ttft(1.5)
+    assert queue.expected_ttft_s == pytest.approx(1.5, abs=1e-3)
+    assert await admitted_order(queue, list(tickets)) == [1, 0]
+    fast = AdmissionQueue(1, 10, weights)
+    fast.observe_ttft(0.1)
+    assert await admitted_order(fast, list(tickets)) == [0, 1]
+
+
+@pytest.mark.asyncio
+async def test_requests_that_have_missed_still_get_in_when_nobody_else_waits():
+    now = time.monotonic()
+    tickets = [Ticket(4, 1.0, arrival=now - 9.0), Ticket(4, 1.0, arrival=now - 5.0)]
+    order = await admitted_order(AdmissionQueue(1, 10, ValueWeights(slo_weight=0, priority_weight=0)), tickets)
+    assert order == [0, 1]  # among the missed, oldest first; nobody is dropped
+
+
+def test_admission_fairness_penalty_is_validated_and_is_the_engines():
+    with pytest.raises(ValueError, match="fairness_penalty"):
+        AdmissionQueue(1, 1, fairness_penalty=0.0)
+    assert AdmissionQueue(1, 1).fairness_penalty == AdaptiveScheduler().fairness_penalty
