@@ -77,6 +77,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tbt-slo-ms", type=float, default=1000.0)
     p.add_argument("--stream-interval", type=float, default=0.05,
                    help="the app's stream_interval_s (0: one stream item per decode step)")
+    p.add_argument("--stream-items-per-s", type=float, default=50.0,
+                   help="the app's stream_items_per_s per replica (0: no bound, stream_interval_s alone)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-cpus", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="on/off and CV 4 only, 80 s each")
@@ -132,7 +134,7 @@ def app_args(a, model: str, mode: str) -> dict:
     args = {"model": model, "num_replicas": 2, "num_pages": a.num_pages, "num_threads": 1, "max_num_seqs": 16,
             "num_cpus_per_replica": 0.5, "policy": a.policy, "control_interval_s": 0.25,
             "routing_stats_period_s": 0.5, "dtype": "float32", "cache_kinds": a.cache_kinds.split(","),
-            "stream_interval_s": a.stream_interval}
+            "stream_interval_s": a.stream_interval, "stream_items_per_s": a.stream_items_per_s or None}
     if mode.endswith("-refuse"):
         args["heavy_watermark_action"] = "refuse"
     if mode.startswith("predictive"):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import io
 import logging
@@ -33,7 +34,7 @@ from apt_serve_ray.engine_process import EngineObservers
 from apt_serve_ray.observability.tracing import finished_spans
 from apt_serve_ray.observability.tracker import plot_memory_timeline
 from deployments.metrics import make_backend, snapshot
-from deployments.streaming import coalesced
+from deployments.streaming import coalesced, stream_interval
 from deployments.wire import EngineRequest, InvalidRequest, Knobs, LoadReport, StreamItem
 
 logger = logging.getLogger("ray.serve")
@@ -60,7 +61,8 @@ def replica_seed(base: int, replica_id: str) -> int:
 class EngineReplica:
     async def __init__(self, engine_config: EngineConfig, controller=None, policy_options: dict | None = None,
                        report_interval_s: float = 0.5, observability: dict | None = None,
-                       pin_cpus: bool = False, stream_interval_s: float = 0.0) -> None:
+                       pin_cpus: bool = False, stream_interval_s: float = 0.0,
+                       stream_items_per_s: float | None = None) -> None:
         """``engine_config``: its watermarks are the ones the memory timeline draws (in the app, the
         controller's; the engine's own rule is off there).
         ``observability``: ``{"model_name", "tracing_exporter", "mirror_metrics"}`` (all optional;
@@ -70,10 +72,16 @@ class EngineReplica:
         and keep this process's other threads off them; needs ``num_threads``.
         ``stream_interval_s``: after the first token, a request's stream sends at most one item per
         this many seconds (the tokens in between travel together), and never more than a quarter of
-        the request's TBT target (``deployments.streaming.coalesced``)."""
+        the request's TBT target (``deployments.streaming.coalesced``). ``stream_items_per_s``: the
+        items per second this replica sends over all its streams, once ``stream_interval_s`` would
+        send more: with n streams each waits ``n / stream_items_per_s`` (still at most a quarter of
+        its TBT target). None: no such bound."""
         if stream_interval_s < 0:
             raise ValueError(f"stream_interval_s: must be >= 0, got {stream_interval_s}")
-        self._stream_interval_s = stream_interval_s
+        if stream_items_per_s is not None and not stream_items_per_s > 0:
+            raise ValueError(f"stream_items_per_s: must be > 0 (or None: unbounded), got {stream_items_per_s}")
+        self._stream_interval_s, self._stream_items_per_s = stream_interval_s, stream_items_per_s
+        self._num_streams = 0  # requests past their first token, streaming
         if policy_options:
             engine_config = engine_config.replace(policy_options={**(engine_config.policy_options or {}),
                                                                    **policy_options})
@@ -148,19 +156,26 @@ class EngineReplica:
                 finished = first.finished
                 if not finished:
                     merge = lambda outs: StreamItem.merge([self._item(o) for o in outs])  # noqa: E731
-                    async with contextlib.aclosing(coalesced(stream, merge, self._interval_s(request))) as items:
-                        async for item in items:
-                            yield item
-                            finished = item.is_final
+                    interval = functools.partial(self._interval_s, request)
+                    self._num_streams += 1
+                    try:
+                        async with contextlib.aclosing(coalesced(stream, merge, interval)) as items:
+                            async for item in items:
+                                yield item
+                                finished = item.is_final
+                    finally:
+                        self._num_streams -= 1
             finally:
                 if not finished:
                     self.num_aborted += 1
 
     def _interval_s(self, request: EngineRequest) -> float:
-        """How long a stream item of this request waits for more tokens: ``stream_interval_s``, at most
-        a quarter of its TBT target (its own or the engine's default)."""
+        """How long a stream item of this request waits for more tokens: ``stream_interval_s``, or
+        longer while this replica's streams would together send more than ``stream_items_per_s``;
+        at most a quarter of the request's TBT target (its own or the engine's default), so the pacing
+        never costs a request its gap target."""
         tbt_ms = request.tbt_slo_ms if request.tbt_slo_ms is not None else self._default_tbt_slo_ms
-        return min(self._stream_interval_s, 0.25e-3 * tbt_ms)
+        return stream_interval(self._stream_interval_s, self._num_streams, self._stream_items_per_s, tbt_ms)
 
     def _item(self, out, first: bool = False) -> StreamItem:
         c, m = out.outputs[0], out.metrics

@@ -189,3 +189,30 @@ async def test_coalesced_min_interval_never_holds_back_the_end_or_an_error():
     assert loop.time() - start < 1.0
     with pytest.raises(ValueError, match="min_interval_s"):
         await anext(coalesced(_timed(1, 0.0), StreamItem.merge, min_interval_s=-1.0))
+
+
+@pytest.mark.asyncio
+async def test_coalesced_asks_a_callable_interval_before_every_item():
+    asked = []
+
+    def interval() -> float:
+        asked.append(len(asked))
+        return 0.0 if len(asked) < 4 else 10.0  # then 10 s: only the end ends the wait
+
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    out = [m async for m in coalesced(_timed(20, 0.002), StreamItem.merge, min_interval_s=interval)]
+    assert [t for m in out for t in m.token_ids] == list(range(20))
+    assert len(asked) >= 4 and loop.time() - start < 1.0
+    assert len(out) <= 4  # after the interval grew, the rest came in the item the end released
+
+
+def test_stream_interval_widens_with_the_replicas_streams_up_to_a_quarter_of_the_gap_target():
+    from deployments.streaming import stream_interval
+
+    assert stream_interval(0.05, 3, None, 1000) == 0.05  # no budget: the base
+    assert stream_interval(0.05, 2, 50.0, 1000) == 0.05  # 2 streams x 20 items/s: within 50 items/s
+    assert stream_interval(0.05, 10, 50.0, 1000) == pytest.approx(0.2)  # 10 streams share 50 items/s
+    assert stream_interval(0.05, 100, 50.0, 1000) == 0.25  # never past TBT / 4
+    assert stream_interval(0.05, 100, 50.0, 100) == 0.025  # a tight target: finer, whatever the load
+    assert stream_interval(0.0, 0, 50.0, 1000) == 0.0
