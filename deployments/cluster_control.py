@@ -16,13 +16,17 @@ counts and publishes what they decide)::
     usage_r  = (used_r + pending_r) / pages_r   (pending: prompts received, not prefilled yet)
     signal_r = usage_r, or with prediction max(usage_r, usage_r + extra_pages / num_replicas / pages_r)
     extra_pages = max(0, forecast token rate - token rate of the last horizon) * hold / tokens per page
-    hold        = min(horizon, tokens held now / token rate of the last horizon)
+    hold        = min(horizon, mean tokens held / mean token arrival rate, both over the last minute)
 
 ``extra_pages`` is the memory a forecast rise would add to what today's memory already holds
 (steady traffic frees about what it takes, so only the rise counts). By Little's law a token is held
-for ``tokens held / token arrival rate`` seconds on average, so a rise of ``d`` tokens/s holds about
-``d * hold`` more tokens once it has lasted that long; before the requests of the rise finish, no
-more than ``d * horizon`` can pile up, hence the min. The router spreads
+for ``mean tokens held / mean token arrival rate`` seconds on average, so a rise of ``d`` tokens/s
+holds about ``d * hold`` more tokens once it has lasted that long; before the requests of the rise
+finish, no more than ``d * horizon`` can pile up, hence the min. Little's law is a law of averages:
+read off the instant (tokens held *now*), it said a token is held 0 s whenever the replicas had just
+emptied, in the trough before every on/off peak, and the forecast of the peak added no memory at all
+(measured: the forecast rate rose from 1 to 20 req/s over the 3 s before a peak while the forecast
+usage stayed 0; docs/benchmarks.md, issue 14). Hence the means over ``LITTLE_WINDOW_S``. The router spreads
 arrivals over the replicas, so each gets an equal share. So the ratio rises and admission tightens
 *before* a forecast peak crosses the watermarks, and both relax as the forecast falls back. A replica
 is marked pressured on its own memory only: every replica gets the same share of a forecast, so a
@@ -34,12 +38,16 @@ changes nothing there); the replica rule acts on the full one.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
 from apt_serve_ray.predictor import Forecast, TrafficPredictor
 from apt_serve_ray.scheduler.watermarks import Watermarks
 from deployments.wire import ArrivalCount, ControllerDecision, Knobs, LoadReport
+
+
+LITTLE_WINDOW_S = 60.0  # the means of tokens held and of token arrivals that give how long a token is held
 
 
 @dataclass(frozen=True)
@@ -88,6 +96,7 @@ class ClusterControl:
         self.forecast: Forecast | None = None
         self.forecast_usage: float | None = None  # cluster usage with the forecast's extra pages
         self.admission_limit = 1.0
+        self._held: deque[tuple[float, float]] = deque()  # (time, tokens held), over LITTLE_WINDOW_S
 
     # Inputs ---------------------------------------------------------------------------------------
     def report(self, load: LoadReport, now: float) -> Knobs:
@@ -162,8 +171,22 @@ class ClusterControl:
         self.forecast = f = self.predictor.forecast(s.horizon_s, now)
         tokens_per_page = max(1, min((load.tokens_per_kv_page for load in self.replicas.values()), default=16))
         held_tokens = sum(load.num_used_pages for load in self.replicas.values()) * tokens_per_page
-        hold_s = s.horizon_s if f.recent_token_rate <= 0 else min(s.horizon_s, held_tokens / f.recent_token_rate)
-        return max(0.0, f.token_rate - f.recent_token_rate) * hold_s / tokens_per_page
+        return max(0.0, f.token_rate - f.recent_token_rate) * self._hold_s(now, held_tokens) / tokens_per_page
+
+    def _hold_s(self, now: float, held_tokens: float) -> float:
+        """Seconds a token is held, by Little's law over the last ``LITTLE_WINDOW_S``: the mean of the
+        tokens held at each step over the mean token arrival rate; at most the horizon (and the horizon
+        while nothing has arrived)."""
+        horizon = self.settings.horizon_s
+        self._held.append((now, held_tokens))
+        while self._held and self._held[0][0] < now - LITTLE_WINDOW_S:
+            self._held.popleft()
+        _, tokens = self.predictor.history(now)
+        tokens = tokens[-int(LITTLE_WINDOW_S / self.predictor.bin_s):]
+        arrival_rate = tokens.sum() / (len(tokens) * self.predictor.bin_s) if len(tokens) else 0.0
+        if arrival_rate <= 0:
+            return horizon
+        return min(horizon, sum(held for _, held in self._held) / len(self._held) / arrival_rate)
 
     def _predictive_admission(self) -> list[ControllerDecision]:
         if self.forecast_usage is None:

@@ -14,8 +14,8 @@ from deployments.wire import ArrivalCount
 LIGHT, HEAVY = 0.6, 0.85
 
 
-def control(**kw) -> ClusterControl:
-    return ClusterControl(ControlSettings(LIGHT, HEAVY, max_ratio=0.5, ratio_step=0.1, stale_after_s=5.0, **kw),
+def control(light: float = LIGHT, heavy: float = HEAVY, **kw) -> ClusterControl:
+    return ClusterControl(ControlSettings(light, heavy, max_ratio=0.5, ratio_step=0.1, stale_after_s=5.0, **kw),
                           wall_clock=lambda: 0.0)
 
 
@@ -97,13 +97,15 @@ def _arrivals(c: ClusterControl, now: float, n: int, tokens_per_request: int = 3
     c.observe_arrivals(ArrivalCount("router", n, n * (tokens_per_request - 64), n * 64), now)
 
 
-def _on_off(c: ClusterControl, until: float, used: int = 20, start: float = 0.0) -> list:
-    """On/off arrivals (1 req/s for 10 s, then 8 req/s for 10 s) with memory held at ``used`` pages per
-    replica (the peak has not landed yet); the decisions, with the time each was taken."""
+def _on_off(c: ClusterControl, until: float, start: float = 0.0, peak_used: int = 100) -> list:
+    """On/off arrivals (1 req/s for 10 s, then 8 req/s for 10 s) with memory following them:
+    ``peak_used`` pages per replica in the peak, 60% of it in the trough's first 3 s (the peak
+    draining), then none; the decisions, with the time each was taken."""
     taken, t = [], start
     while t < until:
-        rate = 8 if (t % 20) >= 10 else 1
-        _arrivals(c, t + 0.25, rate)  # one poll per second
+        phase = t % 20
+        _arrivals(c, t + 0.25, 8 if phase >= 10 else 1)  # one poll per second
+        used = peak_used if phase >= 10 else (int(0.6 * peak_used) if phase < 3 else 0)
         report(c, t + 0.5, a=used, b=used)
         taken += [(t + 1, d) for d in c.step(t + 1)]
         t += 1
@@ -111,14 +113,15 @@ def _on_off(c: ClusterControl, until: float, used: int = 20, start: float = 0.0)
 
 
 def test_prediction_raises_ratios_and_tightens_admission_before_a_forecast_peak():
-    c = control(predictive=True, horizon_s=5.0, admission_share=0.5)
+    # Watermarks 0.4 / 0.5: the forecast peak (8 req/s, ~1.3 s a token) is ~half the pool.
+    c = control(light=0.4, heavy=0.5, predictive=True, horizon_s=5.0, admission_share=0.5)
     taken = _on_off(c, until=108)  # five periods seen; 108 s: 2 s before the sixth peak
     f = c.forecast
     assert f is not None and f.model == "holt-winters/20s"
     assert f.token_rate > 2 * f.recent_token_rate  # the peak is seen coming while arrivals are low
-    assert c.forecast_usage > HEAVY and c.usage == pytest.approx(0.2)
+    assert c.forecast_usage > 0.5 and c.usage == 0.0  # the replicas emptied in the trough
     assert c.admission_limit == 0.5
-    assert c.knobs("a").cache_ratio > 0 and c.knobs("b").cache_ratio > 0  # usage itself is only 0.2
+    assert c.knobs("a").cache_ratio > 0 and c.knobs("b").cache_ratio > 0  # on the forecast alone
     acted = [(t, d) for t, d in taken if t > 100 and d.actions]
     assert acted and all(d.forecast is not None and "forecast" in d.reason for _, d in acted)
     assert any("tighten_admission" in d.actions for _, d in acted)
@@ -132,12 +135,27 @@ def test_forecast_memory_is_what_the_rise_holds_by_littles_law_at_most_a_horizon
     # the 5-s horizon's arrivals would take.
     for used, hold_s in ((20, 2.0), (200, 5.0)):  # 200 pages per replica: held 20 s, capped at 5
         c = control(predictive=True, horizon_s=5.0)
-        for replica in "ab":
-            c.report(load_report(replica_id=replica, num_pages=1000, num_free_pages=1000 - used), 0)
-        c.forecast = None
-        c.predictor.observe = lambda *a, **k: None
+        for t in range(31):  # one a second in each of the 31 bins before t = 31
+            _arrivals(c, t + 0.5, 1)
+            for replica in "ab":
+                c.report(load_report(replica_id=replica, num_pages=1000, num_free_pages=1000 - used), t + 0.5)
+            c._forecast_extra_pages(t + 1)
         c.predictor.forecast = lambda horizon, now: _forecast(token_rate=8 * 320, recent_token_rate=320)
-        assert c._forecast_extra_pages(0) == pytest.approx(7 * 320 * hold_s / 16)
+        assert c._forecast_extra_pages(31) == pytest.approx(7 * 320 * hold_s / 16)
+
+
+def test_a_forecast_peak_adds_memory_when_the_replicas_have_just_emptied():
+    """How long a token is held comes from the last minute's means, not from the instant: in the
+    empty trough before a peak it still reads ~1-2 s, and the forecast of the peak raises the ratios
+    before it lands (read off the instant, it read 0 s there and the forecast added nothing)."""
+    c = control(light=0.4, heavy=0.5, predictive=True, horizon_s=5.0)
+    _on_off(c, until=108)  # 108 s: 2 s before the sixth peak
+    assert c.usage == 0.0 and c.forecast.token_rate > 2 * c.forecast.recent_token_rate
+    assert c.forecast_usage > 0.4
+    assert c.knobs("a").cache_ratio > 0 and c.knobs("b").cache_ratio > 0
+    reactive = control(light=0.4, heavy=0.5)
+    _on_off(reactive, until=108)
+    assert reactive.knobs("a").cache_ratio == 0.0  # without the forecast: nothing until the peak lands
 
 
 def _forecast(**rates) -> Forecast:
