@@ -259,6 +259,46 @@ def plot(run: dict, trace, shape, a, path: Path) -> None:
     plt.close(fig)
 
 
+def attainment_by_phase(requests: list[dict], shape, bin_s: float = 1.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(bin edges in seconds into the period, share of the requests arriving in each bin that passed,
+    how many arrived there), over every period of the trace."""
+    arrivals = np.array([r["arrival_s"] for r in requests])
+    passed = np.array([r["passed"] for r in requests], dtype=float)
+    edges = np.arange(0.0, shape.period_s + bin_s / 2, bin_s)
+    which = np.clip(np.digitize(np.mod(arrivals, shape.period_s), edges) - 1, 0, len(edges) - 2)
+    count = np.bincount(which, minlength=len(edges) - 1)
+    share = np.bincount(which, weights=passed, minlength=len(edges) - 1) / np.maximum(count, 1)
+    return edges, np.where(count > 0, share, np.nan), count
+
+
+def plot_phases(results: dict, shape, path: Path) -> None:
+    """Attainment by the second of the on/off period a request arrived in, one line per mode: whether
+    requests miss at a peak's onset (where acting ahead could help) or later in it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    high_from = shape.period_s * (1 - shape.duty)
+    ax.axvspan(high_from, shape.period_s, color="#f2d7d5", alpha=0.6, label=f"high phase ({shape.high:g} req/s)")
+    for mode, runs in results["runs"].items():
+        row = runs.get("on/off")
+        if row is None:
+            continue
+        edges, share, _ = attainment_by_phase(row["requests"], shape)
+        ax.stairs(share, edges, lw=1.4, label=f"{mode} ({row['attainment']:.0%} overall)")
+    ax.set_xlim(0, shape.period_s)
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel(f"second of the {shape.period_s:g}-s period the request arrived in")
+    ax.set_ylabel("SLO attainment")
+    ax.set_title("on/off trace: attainment by arrival phase, all periods pooled")
+    ax.legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     a = parse_args()
     import ray
@@ -311,6 +351,7 @@ def main() -> None:
     if "predictive" in results["runs"]:
         trace, shape = runs["on/off"]
         plot(results["runs"]["predictive"]["on/off"], trace, shape, a, out / f"forecast_onoff{suffix}.png")
+    plot_phases(results, runs["on/off"][1], out / f"phases_onoff{suffix}.png")
     (out / f"predictive_control{suffix}.json").write_text(json.dumps(results, indent=1, default=float))
     print_table(results, runs)
 
