@@ -352,7 +352,7 @@ def main() -> None:
         trace, shape = runs["on/off"]
         plot(results["runs"]["predictive"]["on/off"], trace, shape, a, out / f"forecast_onoff{suffix}.png")
     plot_phases(results, runs["on/off"][1], out / f"phases_onoff{suffix}.png")
-    (out / f"predictive_control{suffix}.json").write_text(json.dumps(results, indent=1, default=float))
+    (out / f"predictive_control{suffix}.json").write_text(json.dumps(results, separators=(",", ":"), default=float))
     print_table(results, runs)
 
 

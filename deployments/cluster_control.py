@@ -14,12 +14,16 @@ counts and publishes what they decide)::
                                            order); 1 by default, i.e. off: measured to cost attainment
 
     usage_r  = (used_r + pending_r) / pages_r   (pending: prompts received, not prefilled yet)
-    signal_r = usage_r, or with prediction max(usage_r, usage_r + extra_pages / num_replicas / pages_r)
-    extra_pages = max(0, forecast token rate - token rate of the last horizon) * hold / tokens per page
+    signal_r = usage_r, or with prediction max(usage_r, usage_r + extra_pages / num_replicas / pages_r);
+               where the forecast alone lifts it over light, the ratio goes to its cap at once
+    extra_pages = max(0, forecast peak token rate - token rate of the last horizon) * hold / tokens per page
     hold        = min(horizon, mean tokens held / mean token arrival rate, both over the last minute)
 
 ``extra_pages`` is the memory a forecast rise would add to what today's memory already holds
-(steady traffic frees about what it takes, so only the rise counts). By Little's law a token is held
+(steady traffic frees about what it takes, so only the rise counts). The forecast's *peak* rate over
+the horizon (the highest per-second rate of its path, in tokens) is what memory must hold, not the
+mean over the horizon, which rises only as the peak fills the horizon: with the mean, the signal
+crossed light 0.6 s before an on/off peak, with a 5-s horizon. By Little's law a token is held
 for ``mean tokens held / mean token arrival rate`` seconds on average, so a rise of ``d`` tokens/s
 holds about ``d * hold`` more tokens once it has lasted that long; before the requests of the rise
 finish, no more than ``d * horizon`` can pile up, hence the min. Little's law is a law of averages:
@@ -153,7 +157,10 @@ class ClusterControl:
             if self.forecast is not None:
                 signal = max(usage, min(1.0, usage + share / max(1, load.num_pages)))
             before = (knobs_before[replica_id].cache_ratio, not knobs_before[replica_id].is_pressured)
-            d = rule.observe(signal, admit_usage=usage)
+            # A forecast peak is seen whole: the ratio goes to its cap at once rather than a step an
+            # interval (the ratio is a ceiling: apt compresses only once memory runs short).
+            rise_to = self.settings.max_ratio if usage <= self.settings.light < signal else 0.0
+            d = rule.observe(signal, admit_usage=usage, rise_to=rise_to)
             if d.changed or self.knobs(replica_id).cache_ratio != before[0]:
                 reason = d.reason.replace("admission off", "pressured: routers steer away").replace(
                     "admission on", "not pressured") or (
@@ -171,7 +178,9 @@ class ClusterControl:
         self.forecast = f = self.predictor.forecast(s.horizon_s, now)
         tokens_per_page = max(1, min((load.tokens_per_kv_page for load in self.replicas.values()), default=16))
         held_tokens = sum(load.num_used_pages for load in self.replicas.values()) * tokens_per_page
-        return max(0.0, f.token_rate - f.recent_token_rate) * self._hold_s(now, held_tokens) / tokens_per_page
+        peak_token_rate = max(f.token_rate, f.peak_arrival_rate * f.token_rate / f.arrival_rate) \
+            if f.arrival_rate > 0 else f.token_rate
+        return max(0.0, peak_token_rate - f.recent_token_rate) * self._hold_s(now, held_tokens) / tokens_per_page
 
     def _hold_s(self, now: float, held_tokens: float) -> float:
         """Seconds a token is held, by Little's law over the last ``LITTLE_WINDOW_S``: the mean of the

@@ -157,6 +157,15 @@ def test_watermarks_raise_and_lower_the_hidden_target_and_gate_admission():
     assert d.admit is True and d.changed
 
 
+def test_watermarks_rise_to_a_given_ratio_at_once_only_over_light():
+    w = Watermarks(light=0.7, heavy=0.9, cap=0.7, step=0.1)
+    assert w.observe(0.5, rise_to=0.7).cache_ratio == 0.0  # under light: rise_to changes nothing
+    d = w.observe(0.8, rise_to=0.6)
+    assert d.cache_ratio == 0.6 and "0.00 -> 0.60" in d.reason
+    assert w.observe(0.8, rise_to=0.9).cache_ratio == 0.7  # never past the cap
+    assert w.observe(0.8, rise_to=0.2).cache_ratio == 0.7  # never down
+
+
 def test_watermark_hysteresis_and_dwell_damp_only_the_way_down():
     # A signal swinging across light every other observation: the plain rule follows it both ways.
     swings = [0.8, 0.65] * 4

@@ -48,14 +48,16 @@ class Watermarks:
         self.admit = True
         self._quiet = 0  # observations in a row at or below light - hysteresis
 
-    def observe(self, usage: float, admit_usage: float | None = None) -> WatermarkDecision:
+    def observe(self, usage: float, admit_usage: float | None = None, rise_to: float = 0.0) -> WatermarkDecision:
         """One observation: ``usage`` moves the ratio and, unless ``admit_usage`` is given (the
-        controller passes memory in use when ``usage`` carries a forecast), admission too."""
+        controller passes memory in use when ``usage`` carries a forecast), admission too. Over
+        light, the ratio rises one step, or to ``rise_to`` at once where that is higher (the
+        controller's forecast of a peak: it is seen coming, not felt step by step)."""
         ratio, admit, reasons = self.ratio, self.admit, []
         gate = usage if admit_usage is None else admit_usage
         self._quiet = self._quiet + 1 if usage <= self.low else 0
         if usage > self.light and self.ratio < self.cap:
-            ratio = min(self.cap, round(self.ratio + self.step, 6))
+            ratio = min(self.cap, max(round(self.ratio + self.step, 6), rise_to))
             reasons.append(f"usage {usage:.2f} > light {self.light}: hidden target {self.ratio:.2f} -> {ratio:.2f}")
         elif self._quiet >= self.dwell and self.ratio > self.base:
             ratio = max(self.base, round(self.ratio - self.step, 6))
