@@ -134,7 +134,7 @@ def app_args(a, model: str, mode: str) -> dict:
     args = {"model": model, "num_replicas": 2, "num_pages": a.num_pages, "num_threads": 1, "max_num_seqs": 16,
             "num_cpus_per_replica": 0.5, "policy": a.policy, "control_interval_s": 0.25,
             "routing_stats_period_s": 0.5, "dtype": "float32", "cache_kinds": a.cache_kinds.split(","),
-            "stream_interval_s": a.stream_interval, "stream_items_per_s": a.stream_items_per_s or None}
+            "stream_interval_s": a.stream_interval, "stream_items_per_s": a.stream_items_per_s}
     if mode.endswith("-refuse"):
         args["heavy_watermark_action"] = "refuse"
     if mode.startswith("predictive"):

@@ -91,8 +91,8 @@ class _AppArgs(BaseModel):
     # ... and while a replica's streams would together send more than stream_items_per_s items a second,
     # each waits longer (n streams: n / stream_items_per_s s), still never more than a quarter of its TBT
     # target: under load the Serve path's CPU goes to the engines (docs/benchmarks.md, issue 14:
-    # on/off 1 <-> 14 req/s on 2 cores). None: no bound (stream_interval_s alone).
-    stream_items_per_s: Optional[PositiveFloat] = 50.0
+    # on/off 1 <-> 14 req/s on 2 cores). 0: no bound (stream_interval_s alone).
+    stream_items_per_s: NonNegativeFloat = 50.0
     # Controller (deployments/cluster_control.py: the rules per replica, cluster-wide and on the forecast).
     control_interval_s: PositiveFloat = 0.5
     retry_after_s: PositiveFloat = 2.0
@@ -211,7 +211,7 @@ def build_app(args: AppArgs | dict) -> Application:
     ).bind(config, controller, args.policy_weights, args.control_interval_s, {
         "model_name": args.served_model_name or args.model, "tracing_exporter": args.tracing_exporter,
         "mirror_metrics": args.mirror_metrics}, pin, stream_interval_s=args.stream_interval_s,
-        stream_items_per_s=args.stream_items_per_s)
+        stream_items_per_s=args.stream_items_per_s or None)
     max_in_flight = (args.max_in_flight_per_replica or config.max_num_seqs) * args.num_replicas
     router_options = RouterOptions(
         model=args.model, served_model_name=args.served_model_name, tokenizer=args.tokenizer,

@@ -60,7 +60,7 @@ def test_build_app_returns_an_application_with_the_three_deployments():
     ({"attention_backend": "numpy"}, "attention_backend"),
     ({"num_threads": 0}, "num_threads"),
     ({"hidden_ratio_step": 0}, "hidden_ratio_step"),
-    ({"stream_items_per_s": 0}, "stream_items_per_s"),
+    ({"stream_items_per_s": -1}, "stream_items_per_s"),
     ({"stream_interval_s": -0.1}, "stream_interval_s"),
     ({"policy": "apt", "policy_weights": {"slo_weight": -1}}, "slo_weight"),
     ({"policy": "sarathi", "policy_weights": {"slo_weight": 1}}, "sarathi"),
