@@ -8,7 +8,9 @@ The same traces go, over HTTP (streaming), to the app deployed three ways:
 * ``none``: both watermarks at 1.0, so no rule ever fires (the ratio stays at its base, admission
   stays open, no replica is marked pressured);
 * ``predictive-refuse`` / ``reactive-refuse`` (on request): the same with ``heavy_watermark_action``
-  "refuse" (503 at once while admission is closed) instead of the default "hold".
+  "refuse" (503 at once while admission is closed) instead of the default "hold";
+* ``reactive-noratio`` (on request): reactive with ``max_hidden_ratio`` 0, i.e. the watermarks'
+  admission (hold, pressured replicas steered away from) without the ratio: what the ratio is worth.
 
 The replicas offer ``--cache-kinds`` (serve_config.yaml's: hidden and kv-int8) with ``cache_ratio`` 0
 at rest, so what the controller's ratio lets ``apt`` take is compressed pages.
@@ -53,7 +55,7 @@ from apt_serve_ray.predictor import TrafficPredictor, mape  # noqa: E402
 
 APP = "predictive-bench"
 MODES = ("predictive", "reactive", "none")
-ALL_MODES = MODES + ("predictive-refuse", "reactive-refuse")
+ALL_MODES = MODES + ("predictive-refuse", "reactive-refuse", "reactive-noratio")
 
 
 def parse_args() -> argparse.Namespace:
@@ -142,6 +144,8 @@ def app_args(a, model: str, mode: str) -> dict:
                     predictive_admission_share=a.admission_share)
     elif mode == "none":
         args.update(light_watermark=1.0, heavy_watermark=1.0)
+    elif mode == "reactive-noratio":
+        args["max_hidden_ratio"] = 0.0
     return args
 
 
