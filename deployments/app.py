@@ -105,7 +105,9 @@ class _AppArgs(BaseModel):
     # routers receive and acts forecast_horizon_s ahead: ratios rise, and the routers let only
     # predictive_admission_share of their in-flight slots through, before a forecast peak crosses the
     # light / heavy watermark (1, the default: admission is not tightened on a forecast; measured to
-    # cost attainment on the smoke run, docs/benchmarks.md).
+    # cost attainment on the smoke run, docs/benchmarks.md). Off by default: on a 2-core CPU box it lost
+    # to reactive control (the watermarks alone) in every on/off run measured, by 3-30 points
+    # (docs/benchmarks.md, issue 14).
     predictive_control: bool = False
     forecast_horizon_s: PositiveFloat = 10.0
     forecast_history_s: PositiveFloat = 300.0
