@@ -17,8 +17,8 @@ The first item is awaited before the HTTP status is sent, so an engine that refu
 gives a 4xx. A client that disconnects cancels this request; Serve cancels the engine call with it,
 which aborts the request in the engine and frees its pages.
 
-Every poll of the controller carries the requests received since the previous one (``ArrivalCount``),
-which its traffic predictor learns from. Observability: the router times TTFT as the client sees it (request received -> first token handed
+The controller's state and the arrivals reported to it travel over ``ControllerLink``
+(``controller_link.py``). Observability: the router times TTFT as the client sees it (request received -> first token handed
 on) and subtracts the engine's own TTFT (sent with the first item) to get the time spent in the Serve
 path; it counts the requests it refuses or loses (the engine counts those it finishes); with tracing
 on it opens a "router.request" span per request and sends its context along, so the engine's span
@@ -54,11 +54,10 @@ from deployments.request_body import MAX_REQUEST_BODY_BYTES, read_body
 from deployments.preparation import ModelLimits, Prepared, RequestPreparer
 from deployments.service_classes import DEFAULT_SERVICE_CLASS, HEADER, SERVICE_CLASSES, ServiceClass, ServiceClasses
 from deployments.streaming import coalesced
-from deployments.wire import ArrivalCount, ControllerState, EngineRequest, InvalidRequest, StreamItem
+from deployments.controller_link import ControllerLink
+from deployments.wire import EngineRequest, InvalidRequest, StreamItem
 
 logger = logging.getLogger("ray.serve")
-
-RETRY_AFTER_S = 2.0  # what a 429 suggests before the controller's state (with its own value) arrives
 
 
 class RouterOptions(BaseModel):
@@ -127,8 +126,6 @@ class Router:
                                         options.admission_weights, options.urgency_slack_s, options.max_wait_s,
                                         options.fairness_penalty)
         self.created = int(time.time())
-        self.state: ControllerState | None = None
-        self.state_time = 0.0
         self._limits: ModelLimits | None = None
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._metrics = make_backend({"model": self.served_model_name, "replica": self.replica_id},
@@ -136,9 +133,8 @@ class Router:
         self.metrics = RouterMetrics(self._metrics)
         provider = configure_tracing(options.tracing_exporter, service_name="apt-serve-router")
         self.tracer = provider.get_tracer("deployments.router") if provider is not None else None
-        # Requests received since the last poll (count, prompt tokens, output tokens): the controller's
-        # traffic predictor learns from them. Counted before admission: a refused request is demand too.
-        self._arrivals = [0, 0, 0]
+        self.link = ControllerLink(controller, self.replica_id, options.poll_interval_s,
+                                   options.output_horizon_tokens)
         self._poller = asyncio.create_task(self._poll_controller())
 
     # HTTP -----------------------------------------------------------------------------------------
@@ -163,9 +159,9 @@ class Router:
             await asyncio.wait_for(self.engine.check_health.remote(), timeout=10)
         except Exception as exc:  # noqa: BLE001 - any failure means "not ready"
             return JSONResponse({"status": "unhealthy", "reason": repr(exc)}, status_code=503)
-        state = self.state
-        return {"status": "ok", "admission_open": self.is_admission_open(), "admission_held": self.admission.held,
-                "engine_replicas": len(self.known_replicas()),
+        state = self.link.state
+        return {"status": "ok", "admission_open": self.link.is_admission_open(), "admission_held": self.admission.held,
+                "engine_replicas": len(self.link.known_replicas()),
                 "requests_in_flight": self.admission.num_in_flight, "requests_waiting": self.admission.num_waiting,
                 "admission_limit": state.admission_limit if state is not None else 1.0,
                 "pressured_replicas": sorted(r for r, k in state.knobs.items() if k.is_pressured) if state else [],
@@ -179,7 +175,7 @@ class Router:
         ``engine_replicas`` or ``x-replica-id`` (default: any replica)."""
         if format not in ("png", "json"):
             return JSONResponse(oai.APIError("format: must be 'png' or 'json'", param="format").body(), status_code=400)
-        known = self.known_replicas()
+        known = self.link.known_replicas()
         if replica is not None and replica not in known:
             error = oai.APIError(f"replica: unknown engine replica {replica!r}; known: {known}", status=404,
                                  param="replica")
@@ -263,33 +259,14 @@ class Router:
         return self._limits
 
     # The controller's state -----------------------------------------------------------------------
-    def is_admission_open(self) -> bool:
-        """Closed only on the controller's word; a controller gone silent does not stop traffic."""
-        fresh = time.monotonic() - self.state_time < max(5.0, 20 * self.options.poll_interval_s)
-        return not fresh or self.state is None or self.state.admission_open
-
-    def known_replicas(self) -> list[str]:
-        return sorted(self.state.replicas) if self.state is not None else []
-
-    def retry_after_s(self) -> float:
-        return self.state.retry_after_s if self.state is not None else RETRY_AFTER_S
-
     async def _poll_controller(self) -> None:
         while True:
-            counts, self._arrivals = self._arrivals, [0, 0, 0]
-            try:
-                arrivals = ArrivalCount(self.replica_id, *counts) if counts[0] else None
-                self.state = await asyncio.wait_for(self.controller.get_state.remote(arrivals), timeout=5)
-                self.state_time = time.monotonic()
-                limit = max(1, round(self.options.max_in_flight * self.state.admission_limit))
+            state = await self.link.poll()
+            if state is not None:
+                limit = max(1, round(self.options.max_in_flight * state.admission_limit))
                 if limit != self.admission.max_in_flight:
                     self.admission.resize(limit)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - keep serving on the last known state
-                self._arrivals = [a + b for a, b in zip(self._arrivals, counts)]  # send them with the next poll
-                logger.warning("router: controller poll failed: %r", exc)
-            held = self.holds_when_closed and not self.is_admission_open()  # a silent controller: not held
+            held = self.holds_when_closed and not self.link.is_admission_open()  # a silent controller: not held
             if held != self.admission.held:
                 self.admission.hold(held)
             await asyncio.sleep(self.options.poll_interval_s)
@@ -300,19 +277,13 @@ class Router:
 
     def refuses_at_once(self) -> bool:
         """Admission is closed and this router answers 503 at once ("refuse") instead of holding."""
-        return not self.holds_when_closed and not self.is_admission_open()
-
-    def _count_arrival(self, request: EngineRequest) -> None:
-        horizon = self.options.output_horizon_tokens
-        self._arrivals[0] += 1
-        self._arrivals[1] += request.num_prompt_tokens or 0
-        self._arrivals[2] += min(request.max_tokens or horizon, horizon)
+        return not self.holds_when_closed and not self.link.is_admission_open()
 
     # Admission and the engine call ----------------------------------------------------------------
     async def _generate(self, prepared: Prepared):
         """Engine items for one request, after admission, in a "router.request" span when tracing."""
         span, request = None, prepared.request
-        self._count_arrival(request)
+        self.link.count_arrival(request)
         if self.tracer is not None:
             span = self.tracer.start_span("router.request", attributes={
                 "request.id": prepared.request_id, "request.service_class": request.service_class or NO_SERVICE_CLASS})
@@ -337,11 +308,11 @@ class Router:
     def _closed(self) -> oai.APIError:
         return oai.APIError("the server is at its memory limit and admits no new requests; retry later",
                             status=503, type="server_overloaded", code="admission_closed",
-                            retry_after_s=self.retry_after_s())
+                            retry_after_s=self.link.retry_after_s())
 
     def _queue_full(self, why: str) -> oai.APIError:
         return oai.APIError(f"too many requests are waiting: {why}; retry later", status=429,
-                            type="rate_limit_exceeded", code="queue_full", retry_after_s=self.retry_after_s())
+                            type="rate_limit_exceeded", code="queue_full", retry_after_s=self.link.retry_after_s())
 
     def _refuse_if_saturated(self) -> None:
         """Refuse an HTTP request before its body is read, parsed and tokenised when it would be refused
@@ -351,7 +322,7 @@ class Router:
             self._queue_full(f"{self.admission.num_waiting} requests are already waiting for admission")
             if self.admission.is_full else None)
         if error is not None:
-            self._arrivals[0] += 1  # demand for the controller's predictor too (its tokens are not read)
+            self.link.count_arrival()  # demand for the controller's predictor too
             self.metrics.outcome("rejected")
             raise error
 
