@@ -137,6 +137,48 @@ def test_auto_falls_back_to_the_reference_when_the_kernels_cannot_build(monkeypa
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=10)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,start", [(1, 0), (37, 0), (33, 100), (3, 47), (70, 31)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 64), (8, 2, 32)])
+def test_sdpa_prefill_over_gathered_pages_matches_reference(dtype, n, start, heads, kv_heads, dim):
+    # The other prefill path of the CPU backend: pages gathered into one tile, torch's fused attention.
+    import torch.nn.functional as F
+
+    from apt_serve_ray.attention.cpu_backend import gather_kv_pages, sdpa_prefill
+
+    g = torch.Generator().manual_seed(n * 5 + start)
+    block_size, num_pages = 16, 40
+    kv = torch.randn(num_pages, block_size, 2, kv_heads, dim, generator=g).to(dtype)
+    ctx = start + n
+    table = torch.randperm(num_pages, generator=g)[: -(-ctx // block_size)].to(torch.int32)
+    q = torch.randn(n, heads, dim, generator=g).to(dtype)
+    pos = torch.arange(ctx)
+    keys = kv[table.long()[pos // block_size], pos % block_size].float()
+    mask = pos[None, :] <= torch.arange(start, ctx)[:, None]
+    t = lambda x: x.transpose(0, 1)[None]  # noqa: E731
+    ref = F.scaled_dot_product_attention(t(q.float()), t(keys[:, 0]), t(keys[:, 1]), attn_mask=mask,
+                                         scale=dim**-0.5, enable_gqa=heads != kv_heads)[0].transpose(0, 1)
+    k, v = gather_kv_pages(kv, table, ctx)
+    assert torch.equal(k.float(), keys[:, 0]) and torch.equal(v.float(), keys[:, 1])
+    out = sdpa_prefill(q, k, v, start, dim**-0.5)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert (out.float() - ref).abs().max() < _tolerance(dtype)
+
+
+@pytest.mark.parametrize("path", ["kernel", "sdpa"])
+def test_engine_gives_the_reference_answer_on_either_prefill_path(monkeypatch, checkpoint, path):
+    # Which path runs is timed per CPU (``prefill_path``); both must give what the reference gives,
+    # chunked prompts (context from pages) included. Without AVX-512 "kernel" falls back to SDPA.
+    from apt_serve_ray.attention import cpu_backend
+
+    monkeypatch.setattr(cpu_backend, "prefill_path", lambda *a, **k: path)
+    path_ = checkpoint("llama-tiny-gqa")
+    reference = _generate(path_, "torch")
+    _assert_close(reference, _generate(path_, "cpu"), 1e-4)
+    with pytest.raises(ValueError, match="prefill: must be one of"):
+        cpu_backend.CpuBackend(prefill="flash")
+
+
 def _prompts(n, seed, lo=3, hi=90):
     rng = random.Random(seed)
     return [[rng.randrange(10, 49000) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
