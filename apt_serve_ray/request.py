@@ -12,6 +12,7 @@ import enum
 import itertools
 import time
 
+from apt_serve_ray.gap_budget import GapBudget
 from apt_serve_ray.sampling_params import SamplingParams
 
 
@@ -120,6 +121,8 @@ class Request:
         self.last_token_time: float | None = None
         self.token_times: list[float] = []
         self.max_gap = 0.0  # longest gap between consecutive output tokens so far
+        # The largest gaps and how long the next may be while the P99 can still pass (``gap_budget``).
+        self.gap_budget = GapBudget(tbt_slo_ms / 1000.0, max(1, self.max_output_tokens - 1))
         self.finish_time: float | None = None
         self.num_preemptions = 0
         self.num_upgrades = 0
@@ -169,16 +172,22 @@ class Request:
             return self.arrival_time + self.ttft_slo_ms / 1000.0
         return self.last_token_time + self.tbt_slo_ms / 1000.0
 
+    @property
+    def gap_allowance(self) -> float:
+        """Seconds its next gap may last while the P99 of its gaps can still meet the TBT target (inf:
+        any; < 0: it cannot any more). See ``gap_budget``."""
+        return self.gap_budget.allowance
+
     def has_missed_slo(self, now: float) -> bool:
         """True once it can no longer pass: its first token came (or is) later than the TTFT target, or
-        one of its gaps is (or has been) longer than the TBT target. Conservative: with fewer than 100
-        gaps their P99 lies between the two largest, so one long gap among short ones may still pass."""
+        its gaps so far (the one running now included) leave no way for their P99 to meet the TBT target
+        (``gap_budget``: one long gap among many short ones may still pass)."""
         if self.first_token_time is None:
             return now - self.arrival_time > self.ttft_slo_ms / 1000.0
         if self.first_token_time - self.arrival_time > self.ttft_slo_ms / 1000.0:
             return True
-        tbt = self.tbt_slo_ms / 1000.0
-        return self.max_gap > tbt or (not self.is_finished and now - self.last_token_time > tbt)
+        allowance = self.gap_budget.allowance
+        return allowance < 0 or (not self.is_finished and now - self.last_token_time > allowance)
 
     def append_output_token(self, token_id: int, now: float) -> None:
         self.all_token_ids.append(token_id)
@@ -186,7 +195,9 @@ class Request:
         if self.first_token_time is None:
             self.first_token_time = now
         else:
-            self.max_gap = max(self.max_gap, now - self.last_token_time)
+            gap = now - self.last_token_time
+            self.max_gap = max(self.max_gap, gap)
+            self.gap_budget.add(gap)
         self.last_token_time = now
         self.token_times.append(now)
 

@@ -24,7 +24,7 @@ from apt_serve_ray.scheduler.value import importance, urgency
 
 # What is read of every candidate, one float column each (None, no token yet, reads as NaN), then
 # num_tokens. One list per column, not a tuple per request: fewer objects for the garbage collector.
-_FIELDS = tuple(attrgetter(name) for name in ("arrival_time", "last_token_time", "first_token_time", "max_gap",
+_FIELDS = tuple(attrgetter(name) for name in ("arrival_time", "last_token_time", "first_token_time", "gap_allowance",
                                               "ttft_slo_ms", "tbt_slo_ms", "priority"))
 _NUM_COLUMNS = len(_FIELDS) + 1
 _TOKENS, _PAGES, _COMPUTED, _KIND, _SLOTS = (attrgetter(name) for name in (
@@ -154,7 +154,7 @@ class Candidates:
         lay = ctx.cache.layout
         columns = np.concatenate((_read_columns(running), waiting_rows.read(waiting) if waiting_rows is not None
                                   else _read_columns(waiting)), axis=1)
-        arrival, last, first, max_gap, ttft_ms, tbt_ms, priority, tokens = columns
+        arrival, last, first, allowance, ttft_ms, tbt_ms, priority, tokens = columns
         num_tokens = tokens.astype(np.int64)
         need = num_tokens + 1
         mem = np.empty((len(KINDS), n), dtype=np.int64)
@@ -168,7 +168,7 @@ class Candidates:
         ttft_s, tbt_s = ttft_ms / 1000.0, tbt_ms / 1000.0
         with np.errstate(invalid="ignore"):
             missed = np.where(np.isnan(first), now - arrival > ttft_s,
-                              (first - arrival > ttft_s) | (max_gap > tbt_s) | (now - last > tbt_s))
+                              (first - arrival > ttft_s) | (allowance < 0) | (now - last > allowance))
 
         num_held = np.zeros(n, dtype=np.int64)
         held = np.full(n, NO_PAGES, dtype=np.int64)
