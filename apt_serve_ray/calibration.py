@@ -34,7 +34,7 @@ import torch
 from apt_serve_ray.attention import DecodeGroup
 from apt_serve_ray.request import CacheKind, Request
 from apt_serve_ray.sampling_params import SamplingParams
-from apt_serve_ray.scheduler.costs import StepCosts
+from apt_serve_ray.scheduler.costs import StepCosts, chunk_pairs
 from apt_serve_ray.scheduler.output import ScheduledChunk, SchedulerOutput
 
 logger = logging.getLogger("apt_serve_ray")
@@ -77,7 +77,56 @@ def measure_costs(runner, pool, known: StepCosts = StepCosts(), *, hidden_allowe
             step_time = step_time_model(runner, pool=pool, rho=rho_calibration)
         except ValueError as exc:
             logger.warning("no step-time model (%s); prefill chunks use the fixed token budget", exc)
-    return StepCosts(rho, step_time, costs, frozenset(unavailable))
+    conversions = dict(known.conversion_costs)
+    for pair in conversion_pairs([k for k in kinds if k not in unavailable]):
+        if pair in conversions:
+            continue
+        try:
+            conversions[pair] = conversion_seconds_per_token(runner, pool, *pair)
+        except Exception as exc:  # noqa: BLE001 -- an unmeasured conversion is priced 0, as before
+            logger.warning("converting %s -> %s could not be timed (%s: %s)", pair[0].value, pair[1].value,
+                           type(exc).__name__, exc)
+    return StepCosts(rho, step_time, costs, frozenset(unavailable), conversions)
+
+
+def conversion_pairs(kinds) -> list[tuple[CacheKind, CacheKind]]:
+    """The in-place kind changes the adaptive policy may plan with these compressed kinds offered:
+    every kind upgraded to KV, and each int8 kind compressed from its full-precision base."""
+    pairs = []
+    for kind in kinds:
+        pairs.append((kind, CacheKind.KV))
+        if kind.is_int8:
+            pairs.append((kind.base, kind))
+    return pairs
+
+
+@torch.inference_mode()
+def conversion_seconds_per_token(runner, pool, from_kind: CacheKind, to_kind: CacheKind, num_tokens: int = 512,
+                                 repeats: int = 2) -> float:
+    """Seconds per token of ``runner``'s in-place conversion (``ModelRunner._convert``) of ``num_tokens``
+    tokens from ``from_kind`` pages to ``to_kind`` pages, on pages borrowed from ``pool``."""
+    from apt_serve_ray.cache.cache_manager import ConversionPlan
+
+    layout, device = runner.layout, runner.device
+    num_tokens = min(num_tokens, runner.max_model_len)
+    src_n, dst_n = layout.num_pages_for(num_tokens, from_kind), layout.num_pages_for(num_tokens, to_kind)
+    pages = pool.allocate(src_n + dst_n, CacheKind.KV, _OWNER)
+    if pages is None:
+        raise ValueError("the pool has too few free pages")
+    clock = _clock(device)
+    try:
+        plan = ConversionPlan(_OWNER, num_tokens, pages[:src_n], pages[src_n:], from_kind, to_kind)
+        runner._convert(plan)  # warm-up
+        best = float("inf")
+        for _ in range(repeats):
+            _sync(device)
+            t = clock()
+            runner._convert(plan)
+            _sync(device)
+            best = min(best, clock() - t)
+    finally:
+        pool.free(pages, _OWNER)
+    return best / num_tokens
 
 
 def _sync(device: torch.device) -> None:
@@ -213,21 +262,26 @@ def calibrate_kind(runner, kind: CacheKind, lengths: tuple[int, ...] = DEFAULT_R
 # Step time ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class StepTimeModel:
-    """``step_s ~ a + b * num_tokens + c * sum_context`` (+ hidden recompute when rho is known).
+    """``step_s ~ a + b * num_tokens + c * sum_context + d * prefill_pairs`` (+ hidden recompute when
+    rho is known).
 
     ``num_tokens``: tokens computed in the step; ``sum_context``: sum over the step's requests of
-    their context after the step (computed + new tokens)."""
+    their context after the step (computed + new tokens); ``prefill_pairs``: query-key pairs of its
+    prefill chunks (``scheduler.costs.chunk_pairs``: what makes a chunk deep in a long prompt dearer
+    than the same chunk at its start)."""
 
     a: float
     b: float
     c: float
-    points: tuple[tuple[str, int, int, float], ...]  # (composition, num_tokens, sum_context, seconds)
+    # (composition, num_tokens, sum_context, seconds, prefill_pairs)
+    points: tuple[tuple, ...]
     r2: float = 1.0
     hidden_seconds_per_token: float = 0.0  # from the hidden kind's KindCalibration, per token of hidden context
     wall_s: float = 0.0
+    d: float = 0.0
 
-    def predict(self, num_tokens: int, sum_context: int, sum_hidden_context: int = 0) -> float:
-        return (self.a + self.b * num_tokens + self.c * sum_context
+    def predict(self, num_tokens: int, sum_context: int, sum_hidden_context: int = 0, prefill_pairs: int = 0) -> float:
+        return (self.a + self.b * num_tokens + self.c * sum_context + self.d * prefill_pairs
                 + self.hidden_seconds_per_token * sum_hidden_context)
 
 
@@ -248,13 +302,15 @@ def step_time_model(
     decode_batch_sizes: tuple[int, ...] = (1, 8, 32),
     decode_contexts: tuple[int, ...] = (128, 512),
     prefill_chunk_sizes: tuple[int, ...] = (128, 512),
+    prefill_offsets: tuple[tuple[int, int], ...] = ((128, 896), (384, 640), (256, 1536)),
     repeats: int = 2,
     pool=None,
     rho: KindCalibration | None = None,
 ) -> StepTimeModel:
-    """Time ``runner.execute`` on KV decode batches (every size x context) and single prefill
-    chunks, and fit the linear step-time model. Compositions that do not fit the model's context
-    or the free pages are skipped. With ``pool``, pages are borrowed from it and returned; without,
+    """Time ``runner.execute`` on KV decode batches (every size x context), single prefill chunks
+    from position 0 and chunks deeper in a prompt (``prefill_offsets``: (chunk, start) pairs), and
+    fit the step-time model. Compositions that do not fit the model's context or the free pages
+    are skipped. With ``pool``, pages are borrowed from it and returned; without,
     the cache must be idle (no request holds pages)."""
     if repeats < 1:
         raise ValueError(f"repeats: must be >= 1, got {repeats}")
@@ -269,6 +325,8 @@ def step_time_model(
             compositions.append((f"decode b={b} ctx={ctx}", [(ctx, 1)] * b))
     for n in prefill_chunk_sizes:
         compositions.append((f"prefill {n}", [(n, n)]))
+    for n, start in prefill_offsets:
+        compositions.append((f"prefill {n} @{start}", [(start + n, n)]))
 
     def fits(reqs) -> bool:
         return (all(ctx < runner.max_model_len for ctx, _ in reqs)
@@ -301,14 +359,20 @@ def step_time_model(
                 runner.execute(out)
                 _sync(device)
                 times.append(clock() - t)
-            points.append((name, sum(new for _, new in reqs), sum(ctx for ctx, _ in reqs), min(times)))
+            pairs = sum(chunk_pairs(ctx - new, new) for ctx, new in reqs)
+            points.append((name, sum(new for _, new in reqs), sum(ctx for ctx, _ in reqs), min(times), pairs))
     finally:
         if borrowed is not None:
             pool.free(borrowed, _OWNER)
-    a, b, c = _fit([[1.0, float(n), float(ctx)] for _, n, ctx, _ in points], [t for *_, t in points])
-    pred = [a + b * n + c * ctx for _, n, ctx, _ in points]
+    with_pairs = sum(1 for p in points if p[4]) >= 2 and any(p[4] and p[2] > p[1] for p in points)
+    columns = [[1.0, float(n), float(ctx)] + ([float(pairs)] if with_pairs else []) for _, n, ctx, _, pairs in points]
+    coef = _fit(columns, [p[3] for p in points])
+    a, b, c, d = (coef + [0.0])[:4]
+    if d < 0:  # noise on a model too small to resolve it: refit without the term
+        (a, b, c), d = _fit([col[:3] for col in columns], [p[3] for p in points]), 0.0
+    pred = [a + b * n + c * ctx + d * pairs for _, n, ctx, _, pairs in points]
     return StepTimeModel(
-        a=a, b=b, c=c, points=tuple(points), r2=_r2(pred, [t for *_, t in points]),
+        a=a, b=b, c=c, d=d, points=tuple(points), r2=_r2(pred, [p[3] for p in points]),
         hidden_seconds_per_token=rho.seconds_per_token if rho is not None else 0.0,
         wall_s=time.perf_counter() - start,
     )

@@ -25,6 +25,7 @@ from apt_serve_ray.observability.observer import EngineObserver, RequestEvent, R
 from apt_serve_ray.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from apt_serve_ray.request import CacheKind, Request, RequestStatus
 from apt_serve_ray.sampling_params import SamplingParams
+from apt_serve_ray.scheduler.costs import predict_step
 from apt_serve_ray.scheduler.output import ScheduledChunk
 from apt_serve_ray.scheduler.registry import make_policy
 from apt_serve_ray.scheduler.scheduler import Scheduler
@@ -245,6 +246,8 @@ class LLMEngine:
             self._emit_schedule_events(out, sched_now)
         if out.is_empty:
             return []
+        costs = getattr(self.scheduler.policy, "costs", None)
+        predicted = predict_step(costs.step_time if costs is not None else None, out.chunks)
         t1 = self.clock()
         try:
             results = self.runner.execute(out)
@@ -265,11 +268,15 @@ class LLMEngine:
             chunk.request.num_computed_tokens += chunk.num_tokens
         outputs = [self._on_token(request, sampled, now) for request, sampled in results]
         self.num_steps += 1
+        decodes = sum(1 for c in out.chunks if c.num_tokens == 1)
         self.last_step = StepStats(
             schedule_s=out.schedule_time_s, execute_s=now - t1, total_s=self.clock() - t0,
             num_tokens=out.num_batched_tokens, num_seqs=len(out.chunks), num_upgrades=sum(p.is_upgrade for p in out.conversions),
             preempt_causes=tuple(out.preempt_causes), cache=self.cache_stats(),
             num_swap_outs=sum(out.preempt_swapped), num_swap_ins=len(out.swap_in),
+            num_decodes=decodes, num_prefill_tokens=out.num_batched_tokens - decodes,
+            num_compressions=sum(not p.is_upgrade for p in out.conversions),
+            predicted_s=predicted,
         )
         for observer in self._observers:
             observer.on_step(self, self.last_step, now)
@@ -378,7 +385,7 @@ class LLMEngine:
         self.scheduler.admission_open = bool(open_)
 
     def cache_stats(self) -> CacheStats:
-        pool, lay, sched = self.cache.pool, self.layout, self.scheduler
+        pool, sched = self.cache.pool, self.scheduler
         # Only running requests hold pages (preemption frees them all and zeroes num_computed_tokens), and
         # this runs every step: the waiting queue, thousands long under overload, is not walked.
         tokens = self.cache.num_cached_tokens(sched.running)

@@ -90,3 +90,9 @@ class StepStats:
     cache: CacheStats  # after the step: finished requests' pages are back
     num_swap_outs: int = 0  # preemptions this step that kept their pages in the tier below memory
     num_swap_ins: int = 0  # requests whose pages came back from it this step
+    # What the step was made of, to explain a long one: rows that sampled their next token after one
+    # token of compute (decodes), prefill tokens (the rest), in-place compressions to int8 kinds.
+    num_decodes: int = 0
+    num_prefill_tokens: int = 0
+    num_compressions: int = 0
+    predicted_s: float | None = None  # the policy's step-time model for this step's chunks (None: none)

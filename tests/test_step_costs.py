@@ -7,6 +7,7 @@ import pytest
 
 from apt_serve_ray import LLM, SamplingParams
 from apt_serve_ray.bench.simulator import CostModel
+from apt_serve_ray.request import CacheKind
 from apt_serve_ray.scheduler.costs import StepCosts
 from apt_serve_ray.scheduler.policies.apt import AdaptiveScheduler
 from apt_serve_ray.scheduler.policies.base import SchedulingPolicy
@@ -33,7 +34,14 @@ def test_the_engine_measures_the_missing_costs_and_injects_them(opt_tiny):
     assert measured.rho is not None and measured.rho >= 0 and measured.step_time is not None
     given = AdaptiveScheduler(rho=0.5, step_model=CostModel())
     llm.set_scheduler(given)
-    assert given.costs == StepCosts(0.5, CostModel())  # nothing measured over what was given
+    # Nothing measured over what was given; the in-place conversions it did not price are measured.
+    assert (given.costs.rho, given.costs.step_time) == (0.5, CostModel())
+    assert dict(given.costs.conversion_costs).keys() == {(CacheKind.HIDDEN, CacheKind.KV)}
+    assert dict(measured.conversion_costs) and all(s >= 0 for s in dict(measured.conversion_costs).values())
+    priced = AdaptiveScheduler(rho=0.5, step_model=CostModel())
+    priced.set_costs(StepCosts(0.5, CostModel(), conversion_costs={("hidden", "kv"): 1e-6}))
+    llm.set_scheduler(priced)
+    assert priced.costs == StepCosts(0.5, CostModel(), conversion_costs={("hidden", "kv"): 1e-6})
     partial = AdaptiveScheduler(rho=0.25)
     llm.set_scheduler(partial)
     assert partial.rho == 0.25 and partial.step_model is not None  # only the step-time model measured

@@ -2,8 +2,9 @@
 conditions, outputs) with its model runner replaced by a step-time cost model on a simulated clock.
 For scheduler tests and quick policy studies (not a substitute for real runs). No model is loaded.
 
-Step time = ``base_s + per_token_s * batched tokens + per_context_s * sum(context of decodes)
-+ hidden_context_s * sum(context of hidden decodes)`` — the shape the calibrated cost model has.
+Step time = ``base_s + per_token_s * batched tokens + per_context_s * sum(context of every row)
++ hidden_context_s * sum(context of hidden rows) + prefill_pair_s * query-key pairs of prefill chunks``
+— the shape the calibrated cost model has (``scheduler.costs.step_features``).
 Swaps to and from the tier below memory (``swap_space``) move no bytes but take their transfer time
 (``swap_out_s_per_page`` / ``swap_in_s_per_page``, per page over all layers) on the same clock.
 """
@@ -16,9 +17,10 @@ from apt_serve_ray.cache.layout import CacheLayout
 from apt_serve_ray.cache.swap import TransferCost
 from apt_serve_ray.config import EngineConfig
 from apt_serve_ray.engine import LLMEngine
-from apt_serve_ray.request import CacheKind, Request
+from apt_serve_ray.request import Request
 from apt_serve_ray.sampler import SampledToken
 from apt_serve_ray.sampling_params import SamplingParams
+from apt_serve_ray.scheduler.costs import step_features
 from apt_serve_ray.scheduler.output import SchedulerOutput
 
 IDLE_STEP_S = 0.001  # a step that computes nothing still lets the clock move (waiters must see time pass)
@@ -36,20 +38,18 @@ class CostModel:
     # cost 16 * per_token_s = 3.2 ms here.
     swap_out_s_per_page: float = 0.0001
     swap_in_s_per_page: float = 0.0001
+    # Per query-key pair of a prefill chunk's attention (``costs.chunk_pairs``); 0: chunks cost the
+    # same wherever they start (the model before issue 26).
+    prefill_pair_s: float = 0.0
 
-    def predict(self, num_tokens: int, sum_context: int, sum_hidden_context: int = 0) -> float:
+    def predict(self, num_tokens: int, sum_context: int, sum_hidden_context: int = 0,
+                prefill_pairs: int = 0) -> float:
         """The same shape as ``calibration.StepTimeModel.predict`` (context: decodes and chunks alike)."""
         return (self.base_s + self.per_token_s * num_tokens + self.per_context_s * sum_context
-                + self.hidden_context_s * sum_hidden_context)
+                + self.hidden_context_s * sum_hidden_context + self.prefill_pair_s * prefill_pairs)
 
     def step_time(self, chunks) -> float:
-        t = self.base_s + self.per_token_s * sum(c.num_tokens for c in chunks)
-        for c in chunks:
-            ctx = c.request.num_computed_tokens + c.num_tokens
-            t += self.per_context_s * ctx
-            if c.request.kind is CacheKind.HIDDEN:
-                t += self.hidden_context_s * ctx
-        return t
+        return self.predict(*step_features(chunks))
 
 
 # OPT-125m-like geometry (MHA: a hidden page holds 2x the tokens) and a grouped-query one.

@@ -23,9 +23,41 @@ from apt_serve_ray.request import CacheKind
 
 
 class StepTimeModel(Protocol):
-    """Predicted seconds of one step (``calibration.StepTimeModel``, the simulator's ``CostModel``)."""
+    """Predicted seconds of one step (``calibration.StepTimeModel``, the simulator's ``CostModel``).
 
-    def predict(self, num_tokens: int, sum_context: int, sum_hidden_context: int = 0) -> float: ...
+    ``num_tokens``: tokens computed; ``sum_context``: the rows' contexts after the step, summed;
+    ``sum_hidden_context``: the same over rows holding the hidden kind; ``prefill_pairs``: the
+    query-key pairs of the step's prefill chunks (``chunk_pairs``), the part of a chunk's attention
+    that grows with where it starts: a 512-token chunk at position 1,000 took 1.75x one at position 0
+    (OPT-125m, fp32, one thread), which a model linear in tokens and context cannot see."""
+
+    def predict(self, num_tokens: int, sum_context: int, sum_hidden_context: int = 0,
+                prefill_pairs: int = 0) -> float: ...
+
+
+def chunk_pairs(start: int, num_tokens: int) -> int:
+    """Query-key pairs of a prefill chunk's causal attention: query i (position ``start + i``) attends
+    to keys ``0 .. start + i``. A decode row (one token) is not a chunk: its keys are its context."""
+    return num_tokens * start + num_tokens * (num_tokens + 1) // 2 if num_tokens > 1 else 0
+
+
+def step_features(chunks) -> tuple[int, int, int, int]:
+    """``(num_tokens, sum_context, sum_hidden_context, prefill_pairs)`` of a step's ``ScheduledChunk``s
+    (before the step: ``num_computed_tokens`` is where each chunk starts), as ``predict`` takes them."""
+    tokens = context = hidden = pairs = 0
+    for c in chunks:
+        start, n = c.request.num_computed_tokens, c.num_tokens
+        tokens += n
+        context += start + n
+        if c.request.kind is CacheKind.HIDDEN:
+            hidden += start + n
+        pairs += chunk_pairs(start, n)
+    return tokens, context, hidden, pairs
+
+
+def predict_step(model: StepTimeModel | None, chunks) -> float | None:
+    """The model's seconds for a step of ``chunks`` (None without a model)."""
+    return None if model is None else float(model.predict(*step_features(chunks)))
 
 
 @dataclass(frozen=True)
@@ -37,6 +69,10 @@ class StepCosts:
     # Given as a mapping (kind or its name -> seconds); kept as sorted (kind, seconds) pairs, hashable.
     kind_costs: Mapping | tuple = field(default=())
     unavailable: frozenset = frozenset()  # kinds the runner could not run at calibration: never offered
+    # Seconds per token of changing a running request's kind in place (compressing to an int8 kind,
+    # upgrading to KV: dequantising, or projecting K/V from x), per (from kind, to kind); what such a
+    # change adds to the step it runs in. Given as a mapping or (pair, seconds) pairs; absent: unknown (0).
+    conversion_costs: Mapping | tuple = field(default=())
 
     def __post_init__(self) -> None:
         if self.rho is not None and (isinstance(self.rho, bool) or not self.rho >= 0):
@@ -58,12 +94,34 @@ class StepCosts:
             object.__setattr__(self, "unavailable", frozenset(CacheKind(k) for k in self.unavailable))
         except ValueError:
             raise ValueError(f"unavailable: must hold cache kinds, got {self.unavailable!r}") from None
+        conv = dict(self.conversion_costs.items() if isinstance(self.conversion_costs, Mapping)
+                    else self.conversion_costs)
+        checked = {}
+        for pair, seconds in conv.items():
+            try:
+                a, b = (CacheKind(k) for k in pair)
+            except (TypeError, ValueError):
+                raise ValueError(f"conversion_costs: keys must be (from kind, to kind), got {pair!r}") from None
+            if isinstance(seconds, bool) or not (isinstance(seconds, (int, float)) and seconds >= 0):
+                raise ValueError(f"conversion_costs: {a.value} -> {b.value} must be >= 0 seconds per token, "
+                                 f"got {seconds!r}")
+            checked[(a, b)] = float(seconds)
+        object.__setattr__(self, "conversion_costs",
+                           tuple(sorted(checked.items(), key=lambda kv: (kv[0][0].value, kv[0][1].value))))
 
     def known(self, kind: CacheKind) -> bool:
         """Whether ``kind``'s per-step cost was given or measured."""
         if kind is CacheKind.HIDDEN:
             return self.rho is not None
         return kind is CacheKind.KV or any(k is kind for k, _ in self.kind_costs)
+
+    def conversion_seconds(self, from_kind: CacheKind, to_kind: CacheKind, num_tokens: int) -> float:
+        """What converting ``num_tokens`` tokens in place from one kind to another adds to a step (0:
+        unknown)."""
+        for pair, seconds in self.conversion_costs:
+            if pair == (from_kind, to_kind):
+                return seconds * num_tokens
+        return 0.0
 
     def seconds_per_page(self, kind: CacheKind) -> float:
         """Extra decode-step seconds per KV page's worth of context held in ``kind`` (unknown: 0)."""
