@@ -157,6 +157,7 @@ class AdaptiveScheduler(KindChanger, IterationShaper, SchedulingPolicy):
         value, kind_weight = self._price(cands)
         offered = self.offered_kinds(ctx)
         plan = self._choose(ctx, cands, value, kind_weight, offered)
+        plan.budget = self._step_budget(cands)
         self._compress_for_waiting(ctx, cands, plan, offered)
         self._set_kinds(ctx, cands, plan)
         self._shape(ctx, cands, plan)

@@ -12,6 +12,7 @@ import numpy as np
 
 from apt_serve_ray.request import CacheKind, RequestStatus
 from apt_serve_ray.scheduler.candidates import KINDS, Candidates
+from apt_serve_ray.scheduler.costs import chunk_pairs
 from apt_serve_ray.scheduler.policies.base import run_running
 
 
@@ -27,11 +28,31 @@ class Plan:
     kind: np.ndarray  # the chosen kind's index in KINDS (0: KV); SKIP where not chosen
     order: np.ndarray  # chosen rows: the forced by arrival, then by density
     spare: int  # pages left after the chosen and one page of growth per running request
+    budget: StepBudget | None = None  # the step's seconds (``IterationShaper._step_budget``), set after choosing
+
+
+@dataclass
+class StepBudget:
+    """The seconds this step may still grow by while it keeps its promise to the decoding requests that
+    can still pass: ``tbt_headroom`` x the tightest of their TBT targets, less the predicted decode rows
+    and what kind changes and transfers planned so far take (inf: nobody to protect, or no model).
+    Every stage that adds work to the step spends from it: in-place compressions and upgrades, swap-ins,
+    then the prefill chunks, sized to what is left."""
+
+    target_s: float | None
+    left_s: float
+
+    def fits(self, seconds: float) -> bool:
+        return seconds <= self.left_s
+
+    def spend(self, seconds: float) -> None:
+        self.left_s -= seconds
 
 
 class IterationShaper:
     def _shape(self, ctx, c: Candidates, plan: Plan) -> None:
-        """Run the chosen: decodes and prefills in the paper's order, prefills under the step-time budget."""
+        """Run the chosen: decodes, then prefill chunks sized so that the step keeps its promise to the
+        decoding requests that can still pass (``_step_target``), then unchosen running requests."""
         n_run, order = c.num_running, plan.order
         is_decode = c.is_decoding[order]
         decodes, prefills = order[is_decode].tolist(), order[~is_decode].tolist()
@@ -46,13 +67,12 @@ class IterationShaper:
                                       plan.chosen[running]))].tolist()
         unchosen = np.flatnonzero(~plan.chosen[:n_run]).tolist()
         evictable = set(unchosen)
-        prefill_budget = self._prefill_budget(ctx, c, decodes)
-        if c.pending_s[n_run:].sum() > c.pending_s[:n_run].sum():
-            self._run(ctx, c, plan.kind, prefills, prefill_budget, victims, evictable)
-            self._run(ctx, c, plan.kind, decodes, ctx.token_budget, victims, evictable)
-        else:
-            self._run(ctx, c, plan.kind, decodes, ctx.token_budget, victims, evictable)
-            self._run(ctx, c, plan.kind, prefills, prefill_budget, victims, evictable)
+        # Decodes first, those that can still pass before those that cannot (one token each: the
+        # token budget never splits them), then the prefill chunks in the plan's order, each as long
+        # as the step's time left allows.
+        decodes.sort(key=lambda i: bool(c.missed[i]))
+        self._run(ctx, c, plan.kind, decodes, ctx.token_budget, victims, evictable)
+        self._run_prefills(ctx, c, plan, prefills, victims, evictable)
         # Unchosen running requests still holding pages keep decoding while the budget lasts.
         self._run(ctx, c, plan.kind, unchosen, ctx.token_budget, [], set())
         if ctx.num_scheduled == 0 and ctx.running:
@@ -65,22 +85,81 @@ class IterationShaper:
     def _prefill_token_s(self) -> float:
         return max(self.step_model.predict(1, 1) - self.step_model.predict(0, 0), 1e-9)
 
-    def _prefill_budget(self, ctx, c: Candidates, decodes: list[int]) -> int:
-        """Prefill tokens that keep the step under the tightest TBT target of the decodes that can still
-        pass (at least one page's worth, so prefills always progress)."""
-        budget = ctx.token_budget
-        if self.step_model is None:
-            return budget
-        live = [i for i in decodes if not c.missed[i]]
-        if not live:
-            return budget
-        target = self.tbt_headroom * float(c.tbt_slo_ms[live].min()) / 1000.0
-        ctx_tokens = c.num_tokens[decodes]
-        base = self.step_model.predict(len(decodes), int(ctx_tokens.sum()),
-                                       int(ctx_tokens[c.is_hidden[decodes]].sum())) + self._held_extra_s(c, decodes)
-        room = int((target - base) / self._prefill_token_s())
-        # Leave one token per decode: prefill-first steps must not make every decode skip the step.
-        return max(1, min(max(ctx.cache.layout.block_size, min(budget, room)), budget - len(decodes)))
+    def _step_target(self, c: Candidates, rows) -> float | None:
+        """The seconds a step may take: ``tbt_headroom`` x the tightest TBT target among ``rows`` that
+        can still pass (a request whose gaps so far leave its P99 no way under its target is not
+        protected: it yields to those that can). None: nobody to protect."""
+        rows = np.asarray(rows, dtype=np.int64)
+        live = rows[~c.missed[rows]] if rows.size else rows
+        if not live.size:
+            return None
+        return self.tbt_headroom * float(c.tbt_slo_ms[live].min()) / 1000.0
+
+    def _step_budget(self, c: Candidates) -> StepBudget:
+        """The step's budget before any kind change: the target over the running requests that decode
+        this step, less their predicted decode rows (with what their int8 pages add)."""
+        rows = np.flatnonzero(c.is_decoding[: c.num_running])
+        target = self._step_target(c, rows) if self.step_model is not None else None
+        if target is None:
+            return StepBudget(None, float("inf"))
+        chunks = [(int(c.num_computed[i]), 1, bool(c.is_hidden[i])) for i in rows.tolist()]
+        return StepBudget(target, target - self._predict(chunks) - self._held_extra_s(c, rows))
+
+    def _run_prefills(self, ctx, c: Candidates, plan: Plan, prefills: list[int], victims: list[int],
+                      evictable: set[int]) -> None:
+        """Prefill chunks in order, each of the most tokens whose predicted time fits what is left of the
+        step's budget (``plan.budget``; a request coming back from the tier also pays its pages' way in);
+        without a promise to keep, the token budget alone. The first chunk gets at least one page's
+        worth, so prefills progress even when the decodes alone fill the step."""
+        budget = plan.budget
+        if budget is None or budget.target_s is None:
+            self._run(ctx, c, plan.kind, prefills, ctx.token_budget, victims, evictable)
+            return
+        floor = ctx.cache.layout.block_size
+        transfer = getattr(getattr(ctx.cache, "swap", None), "transfer", None)
+        for k, i in enumerate(prefills):
+            r = c.requests[i]
+            if r.is_finished or ctx.is_scheduled(r):
+                continue
+            start, hidden = r.num_computed_tokens, bool(c.is_hidden[i])
+            swap_in_s = len(r.swap_slots) * transfer.in_s_per_page if (r.swap_slots and transfer) else 0.0
+            n = self._chunk_fitting(start, budget.left_s - swap_in_s, hidden)
+            n = max(n, min(floor, r.num_tokens_to_compute) if k == 0 else 0)
+            if n <= 0:
+                break
+            before = ctx.token_budget
+            self._run(ctx, c, plan.kind, [i], min(n, before), victims, evictable)
+            if ctx.token_budget < before:
+                budget.spend(self._chunk_s(start, before - ctx.token_budget, hidden) + swap_in_s)
+
+    def _predict(self, chunks: list[tuple[int, int, bool]]) -> float:
+        """Predicted seconds of a step of ``(start, tokens, hidden)`` chunks."""
+        tokens = context = hidden = pairs = 0
+        for start, n, is_hidden in chunks:
+            tokens += n
+            context += start + n
+            hidden += (start + n) if is_hidden else 0
+            pairs += chunk_pairs(start, n)
+        return self.step_model.predict(tokens, context, hidden, pairs)
+
+    def _chunk_s(self, start: int, n: int, hidden: bool) -> float:
+        """What a prefill chunk of ``n`` tokens from ``start`` adds to a step."""
+        ctx = start + n
+        return (self.step_model.predict(n, ctx, ctx if hidden else 0, chunk_pairs(start, n))
+                - self.step_model.predict(0, 0))
+
+    def _chunk_fitting(self, start: int, seconds: float, hidden: bool, limit: int = 1 << 16) -> int:
+        """The most tokens a chunk from ``start`` may have while adding at most ``seconds`` (0 if none)."""
+        if seconds <= 0 or self._chunk_s(start, 1, hidden) > seconds:
+            return 0
+        lo, hi = 1, limit
+        while lo < hi:  # the chunk's time rises with its tokens
+            mid = (lo + hi + 1) // 2
+            if self._chunk_s(start, mid, hidden) <= seconds:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def _run(self, ctx, c: Candidates, kinds: np.ndarray, rows: list[int], budget: int, victims: list[int],
              evictable: set[int]) -> None:

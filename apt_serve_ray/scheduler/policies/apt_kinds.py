@@ -60,9 +60,11 @@ class KindChanger:
             num = lay.num_pages_for(request.num_computed_tokens, KINDS[k])
             gain = int(c.num_held[r]) - num
             cost = float(self._per_page[k] * c.mem_kv[r])
-            if gain <= 0 or num > room or cost > headroom:
+            now_s = self.costs.conversion_seconds(KINDS[int(held[r])], KINDS[k], request.num_computed_tokens)
+            if gain <= 0 or num > room or cost > headroom or not plan.budget.fits(now_s):
                 continue
             if ctx.compress(request, KINDS[k]):
+                plan.budget.spend(now_s)
                 freed += gain
                 room -= num
                 headroom -= cost
@@ -82,6 +84,8 @@ class KindChanger:
         tightest TBT target of the chosen (inf without a step-time model)."""
         if self.step_model is None or not plan.order.size:
             return float("inf")
+        # Every chosen request's target, those that already missed included: a compressed kind slows
+        # every later step (unlike one step's prefill chunk), and under overload all may have missed.
         target = self.tbt_headroom * float(c.tbt_slo_ms[plan.order].min()) / 1000.0
         decodes = c.is_decoding
         base = self.step_model.predict(int(decodes.sum()), int(c.need[decodes].sum()),
@@ -94,13 +98,23 @@ class KindChanger:
         allow and no waiting request is left out, largest context first (it costs the most per step)."""
         order, kind, first = plan.order, plan.kind, plan.forced | plan.pinned
         rows = order[order < c.num_running]
+        budget = plan.budget
         for i in rows[c.is_compressed[rows] & (kind[rows] == 0) & ~first[rows]].tolist():
-            ctx.upgrade(c.requests[i])
+            # An upgrade the step cannot afford waits for a later step (the request runs in its kind).
+            cost = self._upgrade_s(c, i)
+            if budget.fits(cost) and ctx.upgrade(c.requests[i]):
+                budget.spend(cost)
         if not plan.chosen[c.num_running:].all():
             return  # someone waits: the pages an upgrade takes would keep them out longer
         back = np.flatnonzero(plan.pinned & c.is_compressed)
         held = c.mem_held
         for i in back[np.argsort(-c.need[back], kind="stable")].tolist():
-            if plan.spare >= c.mem_kv[i] and ctx.upgrade(c.requests[i]):
+            cost = self._upgrade_s(c, i)
+            if plan.spare >= c.mem_kv[i] and budget.fits(cost) and ctx.upgrade(c.requests[i]):
+                budget.spend(cost)
                 plan.spare -= c.mem_kv[i] - held[i]
                 kind[i] = 0
+
+    def _upgrade_s(self, c: Candidates, i: int) -> float:
+        """What upgrading running row ``i`` to KV in place adds to this step."""
+        return self.costs.conversion_seconds(KINDS[int(c.held[i])], CacheKind.KV, int(c.num_computed[i]))
