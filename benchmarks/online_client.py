@@ -101,8 +101,14 @@ async def send_request(session: aiohttp.ClientSession, url: str, req: TraceReque
             "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
     if args.ignore_eos:
         body["ignore_eos"] = True
-    if req.priority:
+    # What of the request's service level the server is told: its priority (vLLM's field; its FCFS
+    # policy refuses a non-zero one) and its SLOs (our extension fields; vLLM ignores them).
+    told = getattr(args, "request_fields", ("priority",))
+    if req.priority and "priority" in told:
         body["priority"] = req.priority
+    if "slos" in told:
+        body.update({k: v for k, v in (("ttft_slo_ms", req.ttft_slo_ms), ("tbt_slo_ms", req.tbt_slo_ms))
+                     if v is not None})
     own = {"ttft_slo_ms": req.ttft_slo_ms, "tbt_slo_ms": req.tbt_slo_ms}
     t = RequestTimeline(req.request_id, time.perf_counter() - t0, None, [], None, req.prompt_len, 0,
                         **{**slos, **{k: v for k, v in own.items() if v is not None}})

@@ -50,6 +50,10 @@ class RunResult:
     final_kinds: dict[str, int] = field(default_factory=dict)  # cache kind each request ended with
     num_upgrades: int = 0
     preempt_causes: dict[str, int] = field(default_factory=dict)  # "memory" / "policy", as the scheduler says
+    # One record per step that ran (``step_record``): when it ended (seconds since the first arrival),
+    # how long it took and was predicted to take, and what it held; what explains a long gap.
+    steps: list[dict] = field(default_factory=list)
+    start_s: float = 0.0  # the clock time of the first arrival (timelines are on the same clock)
 
     def summary(self) -> dict:
         """``slo_metrics.summarize`` (vLLM's figures + attainment) plus the engine's own figures."""
@@ -73,6 +77,18 @@ class RunResult:
         m = self.memory
         return plot_memory_timeline(m["series"], m["crossings"], path, light=m["light_watermark"],
                                     heavy=m["heavy_watermark"], title=title or "cache memory by kind")
+
+
+def step_record(stats, end_s: float) -> dict:
+    """A compact record of one step (``StepStats``) that ended ``end_s`` seconds into the run."""
+    return {"end_s": round(end_s, 6), "total_s": round(stats.total_s, 6),
+            "predicted_s": None if stats.predicted_s is None else round(stats.predicted_s, 6),
+            "decodes": stats.num_decodes, "prefill_tokens": stats.num_prefill_tokens, "seqs": stats.num_seqs,
+            "upgrades": stats.num_upgrades, "compressions": stats.num_compressions,
+            "swap_outs": stats.num_swap_outs, "swap_ins": stats.num_swap_ins,
+            "preemptions": len(stats.preempt_causes), "running": stats.cache.num_running,
+            "waiting": stats.cache.num_waiting, "usage": round(stats.cache.usage, 4),
+            "cache_ratio": stats.cache.cache_ratio}
 
 
 def _engine(llm_or_engine):
@@ -129,7 +145,7 @@ def replay(llm_or_engine, trace: list[TraceRequest], *, ttft_slo_ms: float | Non
     deadline = t0 + trace[-1].arrival_s + timeout_s
     tracker = CacheTracker(engine, start=start)
     requests, finals = {}, {}
-    schedule_s, step_s = [], []
+    schedule_s, step_s, steps = [], [], []
     causes: dict[str, int] = {}
     next_i = 0
     try:
@@ -156,6 +172,7 @@ def replay(llm_or_engine, trace: list[TraceRequest], *, ttft_slo_ms: float | Non
             else:
                 step_s.append(stats.total_s)
                 schedule_s.append(stats.schedule_s)
+                steps.append(step_record(stats, clock() - start))
                 for cause in stats.preempt_causes:
                     causes[cause] = causes.get(cause, 0) + 1
                 if len(step_s) % 20 == 0:
@@ -191,7 +208,7 @@ def replay(llm_or_engine, trace: list[TraceRequest], *, ttft_slo_ms: float | Non
     return RunResult(
         timelines, max(duration, 1e-9), pool.num_pages, sched.num_preemptions - preempt0, len(unfinished),
         sum(1 for t in unfinished if t.first_token_s is None), peak, memory, schedule_s, step_s, kinds,
-        sum(out.metrics.num_upgrades for out in finished), causes,
+        sum(out.metrics.num_upgrades for out in finished), causes, steps, start,
     )
 
 
