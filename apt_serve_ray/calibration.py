@@ -302,7 +302,7 @@ def step_time_model(
     decode_batch_sizes: tuple[int, ...] = (1, 8, 32),
     decode_contexts: tuple[int, ...] = (128, 512),
     prefill_chunk_sizes: tuple[int, ...] = (128, 512),
-    prefill_offsets: tuple[tuple[int, int], ...] = ((128, 896), (384, 640), (256, 1536)),
+    prefill_offsets: tuple[tuple[int, int], ...] = ((128, 896), (384, 640), (512, 1024), (256, 1536)),
     repeats: int = 2,
     pool=None,
     rho: KindCalibration | None = None,

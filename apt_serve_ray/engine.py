@@ -246,8 +246,11 @@ class LLMEngine:
             self._emit_schedule_events(out, sched_now)
         if out.is_empty:
             return []
-        costs = getattr(self.scheduler.policy, "costs", None)
+        policy = self.scheduler.policy
+        costs = getattr(policy, "costs", None)
         predicted = predict_step(costs.step_time if costs is not None else None, out.chunks)
+        if predicted is not None:
+            predicted += out.planned_extra_s
         t1 = self.clock()
         try:
             results = self.runner.execute(out)
@@ -278,6 +281,9 @@ class LLMEngine:
             num_compressions=sum(not p.is_upgrade for p in out.conversions),
             predicted_s=predicted,
         )
+        observe = getattr(policy, "observe_step", None)
+        if predicted is not None and observe is not None:
+            observe(predicted, self.last_step.total_s)
         for observer in self._observers:
             observer.on_step(self, self.last_step, now)
         return outputs

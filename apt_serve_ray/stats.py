@@ -95,4 +95,16 @@ class StepStats:
     num_decodes: int = 0
     num_prefill_tokens: int = 0
     num_compressions: int = 0
-    predicted_s: float | None = None  # the policy's step-time model for this step's chunks (None: none)
+    # The policy's step-time model for this step's chunks, plus what it priced its kind changes and
+    # transfers at (None: a policy without a model).
+    predicted_s: float | None = None
+
+    def as_record(self) -> dict:
+        """What the step was made of and took, as plain numbers (the memory timeline's samples and
+        the benchmark driver's step records carry it, to explain a long gap)."""
+        return {"step_s": round(self.total_s, 6),
+                "predicted_s": None if self.predicted_s is None else round(self.predicted_s, 6),
+                "decodes": self.num_decodes, "prefill_tokens": self.num_prefill_tokens, "seqs": self.num_seqs,
+                "upgrades": self.num_upgrades, "compressions": self.num_compressions,
+                "swap_outs": self.num_swap_outs, "swap_ins": self.num_swap_ins,
+                "preemptions": len(self.preempt_causes)}

@@ -144,7 +144,7 @@ def explain(t: RequestTimeline, steps: list[dict], start_s: float) -> dict | Non
     inside = [s for s in steps if lo < s["end_s"] <= hi + 0.002]
     if not inside:
         return None
-    longest = max(inside, key=lambda s: s["total_s"])
+    longest = max(inside, key=lambda s: s["step_s"])
     return {
         "window_s": round(hi - lo, 4), "num_steps": len(inside),
         "prefill_tokens": sum(s["prefill_tokens"] for s in inside),
@@ -152,7 +152,7 @@ def explain(t: RequestTimeline, steps: list[dict], start_s: float) -> dict | Non
         "compressions": sum(s["compressions"] for s in inside), "upgrades": sum(s["upgrades"] for s in inside),
         "swap_outs": sum(s["swap_outs"] for s in inside), "swap_ins": sum(s["swap_ins"] for s in inside),
         "preemptions": sum(s["preemptions"] for s in inside),
-        "longest_step": {k: longest[k] for k in ("total_s", "predicted_s", "decodes", "prefill_tokens",
+        "longest_step": {k: longest[k] for k in ("step_s", "predicted_s", "decodes", "prefill_tokens",
                                                   "compressions", "upgrades", "swap_ins", "swap_outs")},
     }
 
@@ -203,10 +203,10 @@ def prediction_table(steps: list[dict]) -> dict:
         sel = [s for s in steps if keep(s) and s["predicted_s"]]
         if not sel:
             continue
-        ratio = np.array([s["total_s"] / s["predicted_s"] for s in sel])
+        ratio = np.array([s["step_s"] / s["predicted_s"] for s in sel])
         rows[kind] = {"num": len(sel), "median_ratio": float(np.median(ratio)),
                       "p10_ratio": float(np.percentile(ratio, 10)), "p90_ratio": float(np.percentile(ratio, 90)),
-                      "median_s": float(np.median([s["total_s"] for s in sel]))}
+                      "median_s": float(np.median([s["step_s"] for s in sel]))}
     return rows
 
 
@@ -335,6 +335,29 @@ def stop_server(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def server_steps(port: int, origin: float, duration_s: float) -> list[dict] | None:
+    """Our server's steps during a run, from its memory timeline (one sample per step, at most one
+    per 0.1 s: the long steps, which explain gaps, are all there), as engine-mode step records with
+    ``end_s`` on the client's clock (both read CLOCK_MONOTONIC)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/debug/memory_timeline?format=json",
+                                    timeout=60) as resp:
+            series = json.loads(resp.read())["series"]
+    except (OSError, ValueError, KeyError):
+        return None
+    keys = [k for k in ("step_s", "predicted_s", "decodes", "prefill_tokens", "seqs", "upgrades", "compressions",
+                        "swap_outs", "swap_ins", "preemptions", "running", "waiting", "usage", "cache_ratio")
+            if k in series]
+    if "clock" not in series or "step_s" not in keys:
+        return None
+    steps = []
+    for i, clock in enumerate(series["clock"]):
+        end = clock - origin
+        if 0.0 <= end <= duration_s + 1.0:
+            steps.append({"end_s": round(end, 6), **{k: series[k][i] for k in keys}})
+    return steps
+
+
 def run_serve(args) -> dict:
     from online_client import replay as http_replay
 
@@ -361,9 +384,16 @@ def run_serve(args) -> dict:
                 classes = {r.request_id: r.service_class for r in base}
                 for rate in args.rates:
                     trace = with_rate(base, rate, cv=args.cv, seed=seed)
-                    timelines, duration = asyncio.run(http_replay(trace, url, "opt-125m", client, {}))
-                    a = analyze(timelines, classes, duration)
+                    origin = []
+                    timelines, duration = asyncio.run(http_replay(trace, url, "opt-125m", client, {},
+                                                                  on_start=origin.append))
+                    steps = server_steps(port, origin[0], duration) if name.startswith("ours") else None
+                    a = analyze(timelines, classes, duration, steps)
                     a.update(rate=rate, seed=seed)
+                    if steps:
+                        a["prediction"] = prediction_table(steps)
+                        if args.keep_steps:
+                            a["steps"] = steps
                     results[name].append(a)
                     print(row(name, a), flush=True)
         finally:

@@ -150,11 +150,16 @@ async def send_request(session: aiohttp.ClientSession, url: str, req: TraceReque
 
 
 async def replay(trace: list[TraceRequest], url: str, model: str, args: argparse.Namespace,
-                 slos: dict[str, float]) -> tuple[list[RequestTimeline], float]:
+                 slos: dict[str, float], on_start=None) -> tuple[list[RequestTimeline], float]:
+    """Send ``trace`` on its timing; every time in the timelines is seconds since the start, which
+    ``on_start`` (if given) receives as a ``time.perf_counter()`` reading (CLOCK_MONOTONIC on Linux,
+    the clock a server's ``time.monotonic`` reads, to line its records up with these)."""
     limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else contextlib.nullcontext()
     bar = tqdm(total=len(trace), disable=args.disable_tqdm)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         t0 = time.perf_counter()
+        if on_start is not None:
+            on_start(t0)
 
         async def one(req: TraceRequest) -> RequestTimeline:
             await asyncio.sleep(max(0.0, req.arrival_s - (time.perf_counter() - t0)))

@@ -198,3 +198,25 @@ def test_kind_changes_are_paid_from_the_step_budget():
 
     assert compressions(1e-6) > 0
     assert compressions(1.0) == 0  # 280 s to compress: no step can afford it
+
+
+def test_steps_that_run_longer_than_predicted_shrink_the_next_ones():
+    # The machine runs 1.5x slower than the model the policy was calibrated with (another process
+    # shares it): the policy learns the slowdown from the steps it sees, and the steps it sizes keep
+    # the promise on the real clock.
+    slow = CostModel(**{k: 1.5 * v for k, v in vars(COST).items() if k.endswith("_s")})
+    config = EngineConfig(policy="apt", calibrate_rho=False, enable_watermarks=False, max_num_batched_tokens=512,
+                          swap_space=0)
+    policy = AdaptiveScheduler(config=config, rho=0.0, step_model=COST, tbt_headroom=0.8)
+    sim = SimulatedEngine(config, layout=MHA_LAYOUT, num_pages=400, policy=policy, cost=slow)
+    for _ in range(4):
+        sim.add(150, 200, tbt_slo_ms=500)
+    for _ in range(10):  # decode-only steps: the slowdown is learnt before any prefill is sized
+        sim.step()
+    assert policy.slowdown == pytest.approx(1.5, rel=0.05)
+    sim.add(1500, 4, tbt_slo_ms=1000)
+    for _ in range(8):
+        before = sim.now
+        sim.step()
+        # measured, not predicted (within the 2% the estimate still lags the true 1.5x by)
+        assert sim.now - before <= 0.8 * 0.5 * 1.02

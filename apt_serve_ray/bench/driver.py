@@ -80,13 +80,8 @@ class RunResult:
 
 
 def step_record(stats, end_s: float) -> dict:
-    """A compact record of one step (``StepStats``) that ended ``end_s`` seconds into the run."""
-    return {"end_s": round(end_s, 6), "total_s": round(stats.total_s, 6),
-            "predicted_s": None if stats.predicted_s is None else round(stats.predicted_s, 6),
-            "decodes": stats.num_decodes, "prefill_tokens": stats.num_prefill_tokens, "seqs": stats.num_seqs,
-            "upgrades": stats.num_upgrades, "compressions": stats.num_compressions,
-            "swap_outs": stats.num_swap_outs, "swap_ins": stats.num_swap_ins,
-            "preemptions": len(stats.preempt_causes), "running": stats.cache.num_running,
+    """A compact record of one step (``StepStats.as_record``) that ended ``end_s`` seconds into the run."""
+    return {"end_s": round(end_s, 6), **stats.as_record(), "running": stats.cache.num_running,
             "waiting": stats.cache.num_waiting, "usage": round(stats.cache.usage, 4),
             "cache_ratio": stats.cache.cache_ratio}
 

@@ -40,6 +40,8 @@ class CacheTracker(EngineObserver):
             "compressed_share": c.compressed_share,
             "num_pages": c.num_pages, "usage": c.usage, "cache_ratio": c.cache_ratio, "hidden_share": c.hidden_share,
             "admit": c.admission_open, "running": c.num_running, "waiting": c.num_waiting,
+            "clock": now,  # the engine's clock (time.monotonic in a server): to line steps up with a client's
+            **stats.as_record(),
         }
         if self.samples:
             prev = self.samples[-1]["usage"]

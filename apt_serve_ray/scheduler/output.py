@@ -33,6 +33,9 @@ class SchedulerOutput:
     swap_out: list[SwapPlan] = field(default_factory=list)
     swap_in: list[SwapPlan] = field(default_factory=list)
     preempt_swapped: list[bool] = field(default_factory=list)
+    # Seconds the policy priced for this step's in-place kind changes and transfers, beside what its
+    # step-time model predicts for the chunks (the engine adds the two: ``StepStats.predicted_s``).
+    planned_extra_s: float = 0.0
 
     @property
     def num_batched_tokens(self) -> int:

@@ -135,6 +135,7 @@ class SchedulingContext:
         self._swapped: list[bool] = []  # parallel to _preempted
         self._swap_outs = []
         self._swap_ins = {}  # request id -> its SwapPlan, this step
+        self.planned_extra_s = 0.0  # what the policy priced kind changes and transfers at (seconds)
 
     # Read-only views
     @property
@@ -347,4 +348,5 @@ class SchedulingContext:
     def output(self) -> SchedulerOutput:
         return SchedulerOutput(list(self._chunks.values()), list(self._conversions), list(self._preempted),
                                preempt_causes=list(self._causes), swap_out=list(self._swap_outs),
-                               swap_in=list(self._swap_ins.values()), preempt_swapped=list(self._swapped))
+                               swap_in=list(self._swap_ins.values()), preempt_swapped=list(self._swapped),
+                               planned_extra_s=self.planned_extra_s)

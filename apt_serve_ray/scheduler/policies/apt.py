@@ -129,6 +129,7 @@ class AdaptiveScheduler(KindChanger, IterationShaper, SchedulingPolicy):
         self._per_page = np.zeros(len(KINDS))  # each kind's seconds per page, read from the costs per decision
         self._cache, self._free_swap_slots = None, 0  # read per decision: the cache and its tier's room
         self.predictor = None  # a TrafficPredictor (``enable_prediction``); the engine feeds it arrivals
+        self.slowdown = 1.0  # measured / predicted step seconds lately (``observe_step``)
 
     def enable_prediction(self, predictor) -> None:
         """Attach a ``TrafficPredictor`` (the seed's ``scheduler.enable_prediction(predictor)``): the

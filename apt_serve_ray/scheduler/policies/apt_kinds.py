@@ -64,7 +64,7 @@ class KindChanger:
             if gain <= 0 or num > room or cost > headroom or not plan.budget.fits(now_s):
                 continue
             if ctx.compress(request, KINDS[k]):
-                plan.budget.spend(now_s)
+                plan.budget.spend(now_s, extra=True)
                 freed += gain
                 room -= num
                 headroom -= cost
@@ -103,7 +103,7 @@ class KindChanger:
             # An upgrade the step cannot afford waits for a later step (the request runs in its kind).
             cost = self._upgrade_s(c, i)
             if budget.fits(cost) and ctx.upgrade(c.requests[i]):
-                budget.spend(cost)
+                budget.spend(cost, extra=True)
         if not plan.chosen[c.num_running:].all():
             return  # someone waits: the pages an upgrade takes would keep them out longer
         back = np.flatnonzero(plan.pinned & c.is_compressed)
@@ -111,7 +111,7 @@ class KindChanger:
         for i in back[np.argsort(-c.need[back], kind="stable")].tolist():
             cost = self._upgrade_s(c, i)
             if plan.spare >= c.mem_kv[i] and budget.fits(cost) and ctx.upgrade(c.requests[i]):
-                budget.spend(cost)
+                budget.spend(cost, extra=True)
                 plan.spare -= c.mem_kv[i] - held[i]
                 kind[i] = 0
 

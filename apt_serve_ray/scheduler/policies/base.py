@@ -21,6 +21,10 @@ class SchedulingPolicy(ABC):
     def set_costs(self, costs: StepCosts) -> None:
         self.costs = costs
 
+    def observe_step(self, predicted_s: float, measured_s: float) -> None:
+        """After each step that ran with a prediction (``SchedulerOutput.predicted_s``): what it took.
+        A policy that sizes steps by its model may correct the model with it; by default, nothing."""
+
     @abstractmethod
     def schedule(self, ctx) -> None:
         """Choose this step's work through ``ctx`` (a ``SchedulingContext``)."""
