@@ -271,7 +271,7 @@ class LLMEngine:
             chunk.request.num_computed_tokens += chunk.num_tokens
         outputs = [self._on_token(request, sampled, now) for request, sampled in results]
         self.num_steps += 1
-        decodes = sum(1 for c in out.chunks if c.num_tokens == 1)
+        decodes = sum(1 for c in out.chunks if c.num_tokens == 1 and c.request.num_output_tokens)
         self.last_step = StepStats(
             schedule_s=out.schedule_time_s, execute_s=now - t1, total_s=self.clock() - t0,
             num_tokens=out.num_batched_tokens, num_seqs=len(out.chunks), num_upgrades=sum(p.is_upgrade for p in out.conversions),

@@ -63,25 +63,21 @@ class GapBudget:
     def is_lost(self) -> bool:
         return self.allowance < 0
 
-    def _p99_with(self, gap_s: float) -> float:
-        top = list(self.top)
-        bisect.insort(top, gap_s, key=lambda g: -g)
-        return p99_best_case(top, self.j, self.f)
-
     def _allowance(self) -> float:
-        target = self.target_s
-        if p99_best_case(self.top, self.j, self.f) >= target:
+        """In closed form. With D the largest gaps (0 beyond those seen), a next gap g lands at rank p
+        among them; the P99 after it, ``(1 - f) D'[j] + f D'[j - 1]``, is D's own while p > j, rises as
+        ``(1 - f) g + f D[j - 1]`` at p = j, as ``(1 - f) D[j - 1] + f g`` at p = j - 1, and stays at
+        ``(1 - f) D[j - 1] + f D[j - 2]`` above: the allowance is where it reaches the target."""
+        target, j, f = self.target_s, self.j, self.f
+        d = self.top + [0.0] * (j + 1 - len(self.top))
+        if p99_best_case(d, j, f) >= target:
             return LOST
-        if self._p99_with(1e18) < target:
-            return math.inf  # the P99 does not reach the largest gap
-        # The P99 after one more gap rises with it: bisect for the longest that stays under the target.
-        lo, hi = 0.0, target / max(self.f, 1e-9) + (self.top[0] if self.top else 0.0)
-        if self._p99_with(lo) >= target:
-            return LOST
-        for _ in range(40):
-            mid = 0.5 * (lo + hi)
-            if self._p99_with(mid) < target:
-                lo = mid
-            else:
-                hi = mid
-        return lo
+        if j == 0:
+            return target  # the P99 is the largest gap
+        g = (target - f * d[j - 1]) / (1.0 - f)  # p = j: between D[j] and D[j - 1]
+        if g <= d[j - 1]:
+            return g
+        if f == 0.0:  # the gap above D[j - 1] does not count: the P99 stays at D[j - 1] < target
+            return math.inf
+        g = (target - (1.0 - f) * d[j - 1]) / f  # p = j - 1: between D[j - 1] and D[j - 2]
+        return g if j == 1 or g <= d[j - 2] else math.inf

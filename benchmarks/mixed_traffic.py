@@ -139,7 +139,8 @@ def explain(t: RequestTimeline, steps: list[dict], start_s: float) -> dict | Non
     if "gap" in why:
         _, lo, hi = _longest_gap(t)
     else:
-        lo, hi = t.arrival_s, (t.first_token_s if t.first_token_s is not None else lo + 1e9)
+        lo = t.arrival_s
+        hi = t.first_token_s if t.first_token_s is not None else lo + 1e9
     lo, hi = lo - start_s, hi - start_s
     inside = [s for s in steps if lo < s["end_s"] <= hi + 0.002]
     if not inside:
@@ -305,8 +306,12 @@ def _up(port: int) -> bool:
 
 
 def start_server(cmd: list[str], env: dict, port: int, log: Path, timeout_s: float = 400.0) -> subprocess.Popen:
-    if _up(port):
-        raise SystemExit(f"port {port} already answers: stop that server first")
+    for _ in range(60):  # a server stopped just before may still be shutting down
+        if not _up(port):
+            break
+        time.sleep(2)
+    else:
+        raise SystemExit(f"port {port} still answers: stop that server first")
     proc = subprocess.Popen(cmd, env=env, cwd=_REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
     deadline = time.monotonic() + timeout_s

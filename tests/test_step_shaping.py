@@ -13,7 +13,7 @@ import pytest
 from apt_serve_ray import EngineConfig
 from apt_serve_ray.bench.simulator import MHA_LAYOUT, CostModel, SimulatedEngine
 from apt_serve_ray.gap_budget import GapBudget, p99_rank
-from apt_serve_ray.request import CacheKind, Request
+from apt_serve_ray.request import Request
 from apt_serve_ray.sampling_params import SamplingParams
 from apt_serve_ray.scheduler.costs import StepCosts, chunk_pairs, predict_step, step_features
 from apt_serve_ray.scheduler.output import ScheduledChunk
@@ -209,9 +209,9 @@ def test_steps_that_run_longer_than_predicted_shrink_the_next_ones():
                           swap_space=0)
     policy = AdaptiveScheduler(config=config, rho=0.0, step_model=COST, tbt_headroom=0.8)
     sim = SimulatedEngine(config, layout=MHA_LAYOUT, num_pages=400, policy=policy, cost=slow)
-    for _ in range(4):
-        sim.add(150, 200, tbt_slo_ms=500)
-    for _ in range(10):  # decode-only steps: the slowdown is learnt before any prefill is sized
+    for _ in range(6):
+        sim.add(300, 200, tbt_slo_ms=500)
+    for _ in range(8):  # prefill-only steps (nobody decodes yet): the slowdown is learnt from them
         sim.step()
     assert policy.slowdown == pytest.approx(1.5, rel=0.05)
     sim.add(1500, 4, tbt_slo_ms=1000)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from apt_serve_ray.bench.workloads import (
+    MIXED,
     WORKLOADS,
     Diurnal,
     OnOff,
@@ -15,6 +16,7 @@ from apt_serve_ray.bench.workloads import (
     assign_classes,
     fill_token_ids,
     load_trace,
+    make_mixed_trace,
     make_random_trace,
     make_shaped_trace,
     make_trace,
@@ -186,6 +188,27 @@ def test_classes_are_seeded_mixed_and_leave_lengths_and_arrivals_alone():
         (r.request_id, r.arrival_s, r.prompt_len, r.output_len) for r in base]
     # Re-timing keeps the classes (with_rate replaces arrivals only).
     assert [r.service_class for r in with_rate(a, 2.0, seed=1)] == labels
+
+
+def test_a_mixed_trace_gives_each_class_its_own_lengths_slos_and_priority():
+    trace = make_mixed_trace(MIXED, 200, rate=0.5, cv=3.0, seed=5, vocab_size=1000)
+    chats = [r for r in trace if r.service_class == "chat"]
+    docs = [r for r in trace if r.service_class == "document"]
+    assert (len(chats), len(docs)) == (140, 60)  # exact shares
+    assert all(64 <= r.prompt_len <= 256 and 32 <= r.output_len <= 128 for r in chats)
+    assert all(900 <= r.prompt_len <= 1500 and 64 <= r.output_len <= 128 for r in docs)
+    assert {(r.ttft_slo_ms, r.tbt_slo_ms, r.priority) for r in chats} == {(2000, 500, 0)}
+    assert {(r.ttft_slo_ms, r.tbt_slo_ms, r.priority) for r in docs} == {(12000, 1000, 10)}
+    assert all(len(r.prompt_token_ids) == r.prompt_len for r in trace)
+    assert trace == make_mixed_trace(MIXED, 200, rate=0.5, cv=3.0, seed=5, vocab_size=1000)  # seeded
+    gaps = np.diff([r.arrival_s for r in trace])
+    assert gaps.std() / gaps.mean() > 2.0  # bursty (CV 3)
+    # Re-timed for another rate: the same requests (with_rate), as a rate sweep needs.
+    slower = with_rate(trace, 0.25, cv=3.0, seed=5)
+    assert [(r.request_id, r.prompt_len) for r in slower] == [(r.request_id, r.prompt_len) for r in trace]
+    # Lengths are fitted to the model as make_trace fits them.
+    short = make_mixed_trace(MIXED, 50, rate=1.0, seed=1, max_model_len=1024)
+    assert all(r.prompt_len + r.output_len <= 1024 for r in short)
 
 
 def test_the_class_stream_leaves_older_draws_unchanged():

@@ -163,15 +163,18 @@ def prefill_path(dtype: torch.dtype, heads: int, num_kv_heads: int, dim: int, qu
         sdpa_prefill(q, k, v, start, scale)
 
     best = {"kernel": float("inf"), "sdpa": float("inf")}
-    try:
-        for _ in range(3):
-            for name, fn in (("kernel", kernel), ("sdpa", sdpa)):
-                t = time.perf_counter()
-                fn()
-                best[name] = min(best[name], time.perf_counter() - t)
-    except RuntimeError as exc:  # one path cannot run this shape here: the other one
-        logger.warning("prefill path timing failed (%s); using the C++ kernel", exc)
-        return "kernel"
+    for name, fn in (("kernel", kernel), ("sdpa", sdpa)):
+        try:
+            fn()  # warm-up, and whether it runs at all
+        except RuntimeError as exc:  # this path cannot run the shape here: the other one
+            other = "sdpa" if name == "kernel" else "kernel"
+            logger.warning("prefill path %s failed (%s); using %s", name, exc, other)
+            return other
+    for _ in range(3):
+        for name, fn in (("kernel", kernel), ("sdpa", sdpa)):
+            t = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t)
     choice = min(best, key=best.get)
     logger.info("CPU prefill attention: %s (kernel %.2f ms, sdpa %.2f ms for %d queries over %d keys, %s)",
                 choice, best["kernel"] * 1e3, best["sdpa"] * 1e3, queries, keys, dtype)

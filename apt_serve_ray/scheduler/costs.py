@@ -41,18 +41,33 @@ def chunk_pairs(start: int, num_tokens: int) -> int:
     return num_tokens * start + num_tokens * (num_tokens + 1) // 2 if num_tokens > 1 else 0
 
 
-def step_features(chunks) -> tuple[int, int, int, int]:
-    """``(num_tokens, sum_context, sum_hidden_context, prefill_pairs)`` of a step's ``ScheduledChunk``s
-    (before the step: ``num_computed_tokens`` is where each chunk starts), as ``predict`` takes them."""
-    tokens = context = hidden = pairs = 0
-    for c in chunks:
-        start, n = c.request.num_computed_tokens, c.num_tokens
+def rows_features(rows) -> tuple[int, int, int, int]:
+    """``(num_tokens, sum_context, sum_hidden_context, prefill_pairs)`` of a step of ``(start, tokens,
+    hidden)`` rows, as ``predict`` takes them."""
+    tokens = context = hidden_context = pairs = 0
+    for start, n, hidden in rows:
         tokens += n
         context += start + n
-        if c.request.kind is CacheKind.HIDDEN:
-            hidden += start + n
+        if hidden:
+            hidden_context += start + n
         pairs += chunk_pairs(start, n)
-    return tokens, context, hidden, pairs
+    return tokens, context, hidden_context, pairs
+
+
+def step_features(chunks) -> tuple[int, int, int, int]:
+    """``rows_features`` of a step's ``ScheduledChunk``s (before the step: ``num_computed_tokens`` is where
+    each chunk starts)."""
+    return rows_features((c.request.num_computed_tokens, c.num_tokens, c.request.kind is CacheKind.HIDDEN)
+                         for c in chunks)
+
+
+def recompute_seconds(model: StepTimeModel, num_tokens):
+    """Predicted seconds to compute ``num_tokens`` tokens again from position 0 in one chunk (a number
+    or an array: the model is linear in its features, so this is vectorised)."""
+    base = model.predict(0, 0)
+    per_token = max(model.predict(1, 1) - base, 1e-9)
+    per_pair = max(model.predict(0, 0, 0, 1) - base, 0.0)
+    return per_token * num_tokens + per_pair * num_tokens * (num_tokens + 1) / 2
 
 
 def predict_step(model: StepTimeModel | None, chunks) -> float | None:

@@ -15,6 +15,7 @@ from itertools import compress
 from apt_serve_ray.cache.cache_manager import CacheManager, can_convert
 from apt_serve_ray.config import EngineConfig
 from apt_serve_ray.request import CacheKind, Request, RequestStatus
+from apt_serve_ray.scheduler.costs import recompute_seconds
 from apt_serve_ray.scheduler.output import ScheduledChunk, SchedulerOutput
 
 
@@ -93,8 +94,7 @@ class Scheduler:
         transfer = cache.swap.transfer
         if step is None or transfer is None:
             return True
-        n = request.num_computed_tokens
-        recompute_s = step.predict(n, n) - step.predict(0, 0)  # one prefill chunk of n tokens, as priced
+        recompute_s = recompute_seconds(step, request.num_computed_tokens)  # one prefill chunk, as priced
         return transfer.seconds(cache.num_swap_pages(request)) < recompute_s
 
     def set_cache_ratio(self, ratio: float) -> None:
@@ -203,6 +203,15 @@ class SchedulingContext:
 
     def is_scheduled(self, request: Request) -> bool:
         return request.request_id in self._chunks
+
+    def scheduled_tokens(self, request: Request) -> int:
+        """Tokens of ``request`` this step so far (0 if not scheduled)."""
+        chunk = self._chunks.get(request.request_id)
+        return chunk.num_tokens if chunk is not None else 0
+
+    def is_swapping_in(self, request: Request) -> bool:
+        """Whether ``request``'s pages come back from the tier below memory this step."""
+        return request.request_id in self._swap_ins
 
     def can_admit(self, request: Request) -> bool:
         """New requests wait while admission is closed; ones admitted before (preempted) may resume."""

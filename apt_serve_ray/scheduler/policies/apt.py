@@ -37,10 +37,19 @@ admissible waiting ones), in four stages:
    running ones are preempted only when their pages are needed; running requests of a compressed
    kind chosen as KV are upgraded in place, and pinned ones go back to KV while pages allow and
    nobody waits.
-4. **Shape the iteration** (``_shape``). Prefill chunks get as many tokens as keep the predicted step
-   under the tightest TBT target of the running requests that can still pass (second correction,
-   Sarathi's lesson made SLO-aware); if the summed pending time of the waiting exceeds that of the
-   running, prefills are placed first, otherwise decodes (the paper).
+4. **Shape the iteration** (``apt_iteration.py``). A step is a promise to every decoding request that
+   can still pass (second correction, Sarathi's lesson made SLO-aware; issue 26): its budget
+   (``StepBudget``) is ``tbt_headroom`` x the tightest TBT target among them, where "can still pass" is
+   the P99 of the request's gaps, not its longest gap (``gap_budget``: one long gap among many may be
+   forgiven, and a request written off at its first long gap stopped bounding the steps, which then
+   took the whole token budget and broke every other request's gaps in turn). Decode rows, in-place
+   kind changes and swap-ins spend from the budget first (a change the step cannot afford waits for a
+   later step); then each prefill chunk, in the plan's order, gets the most tokens whose predicted
+   time (with its query-key pairs: a chunk deep in a long prompt costs more) fits what is left, so long
+   prompts are split across steps while tight requests run. Predictions are scaled by how much longer
+   than predicted steps have lately run (``observe_step``). The paper alternates prefill and decode
+   iterations by summed pending time; with chunked prefill both share every step, decodes first.
+   What this changed on that traffic, per step and per request: docs/benchmarks.md (issue 26).
 
 **Priority overtakes** (``priority_preemption``, issue 16). Pinning alone kept an important request
 that arrived to a full pool waiting behind unimportant running ones until they finished (interactive
@@ -73,7 +82,7 @@ import numpy as np
 
 from apt_serve_ray.cache.cache_manager import can_convert
 from apt_serve_ray.scheduler.candidates import KIND_CODE, KINDS, Candidates, WaitingRows
-from apt_serve_ray.scheduler.costs import StepCosts
+from apt_serve_ray.scheduler.costs import StepCosts, recompute_seconds
 from apt_serve_ray.scheduler.knapsack import SKIP, greedy_choice
 from apt_serve_ray.scheduler.policies.apt_iteration import IterationShaper, Plan
 from apt_serve_ray.scheduler.policies.apt_kinds import KindChanger
@@ -184,7 +193,7 @@ class AdaptiveScheduler(KindChanger, IterationShaper, SchedulingPolicy):
             # recomputing its tokens, or moving its pages out and back where the tier below memory
             # has room (and that is cheaper), priced like the hidden kind's recompute (U x time).
             n_run = c.num_running
-            evict_s = self._prefill_token_s() * c.num_computed[:n_run].astype(np.float64)
+            evict_s = recompute_seconds(self.step_model, c.num_computed[:n_run].astype(np.float64))
             transfer = getattr(getattr(self._cache, "swap", None), "transfer", None)
             if transfer is not None and self._free_swap_slots:
                 swap_s = c.num_held[:n_run] * transfer.seconds(1)  # linear in pages: one product, not a loop
@@ -262,7 +271,8 @@ class AdaptiveScheduler(KindChanger, IterationShaper, SchedulingPolicy):
         if self.step_model is None:
             allowed &= ~lost
             return
-        redo_s = (max(1, int((~c.missed).sum())) * self._prefill_token_s()) * c.num_computed[rest].astype(np.float64)
+        redo_s = max(1, int((~c.missed).sum())) * recompute_seconds(self.step_model,
+                                                                  c.num_computed[rest].astype(np.float64))
         values -= np.where(lost, redo_s[:, None], 0.0)
 
     def _preempt_for_priority(self, c: Candidates, plan: Plan) -> None:

@@ -6,13 +6,14 @@ short. A mixin of ``AdaptiveScheduler``: it reads the policy's step-time model a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from apt_serve_ray.request import CacheKind, RequestStatus
-from apt_serve_ray.scheduler.candidates import KINDS, Candidates
-from apt_serve_ray.scheduler.costs import chunk_pairs
+from apt_serve_ray.scheduler.candidates import KIND_CODE, KINDS, Candidates
+from apt_serve_ray.scheduler.costs import rows_features
 from apt_serve_ray.scheduler.policies.base import run_running
 
 
@@ -28,7 +29,8 @@ class Plan:
     kind: np.ndarray  # the chosen kind's index in KINDS (0: KV); SKIP where not chosen
     order: np.ndarray  # chosen rows: the forced by arrival, then by density
     spare: int  # pages left after the chosen and one page of growth per running request
-    budget: StepBudget | None = None  # the step's seconds (``IterationShaper._step_budget``), set after choosing
+    # The step's seconds (``IterationShaper._step_budget``), set after choosing; until then, no promise.
+    budget: StepBudget = field(default_factory=lambda: StepBudget(None, math.inf))
 
 
 @dataclass
@@ -44,7 +46,8 @@ class StepBudget:
     extra_s: float = 0.0  # spent on kind changes and transfers (the engine adds it to the chunks' prediction)
 
     def fits(self, seconds: float) -> bool:
-        return seconds <= self.left_s
+        """Whether ``seconds`` more keep the step within its budget (work that costs nothing always does)."""
+        return seconds <= max(self.left_s, 0.0)
 
     def spend(self, seconds: float, *, extra: bool = False) -> None:
         self.left_s -= seconds
@@ -55,7 +58,7 @@ class StepBudget:
 class IterationShaper:
     def _shape(self, ctx, c: Candidates, plan: Plan) -> None:
         """Run the chosen: decodes, then prefill chunks sized so that the step keeps its promise to the
-        decoding requests that can still pass (``_step_target``), then unchosen running requests."""
+        decoding requests that can still pass (``plan.budget``), then unchosen running requests."""
         n_run, order = c.num_running, plan.order
         is_decode = c.is_decoding[order]
         decodes, prefills = order[is_decode].tolist(), order[~is_decode].tolist()
@@ -68,27 +71,25 @@ class IterationShaper:
         prio = c.priority[running] if c.priority is not None else np.zeros(running.size)
         victims = running[np.lexsort((plan.density[running], ~c.missed[running], -prio,
                                       plan.chosen[running]))].tolist()
-        unchosen = np.flatnonzero(~plan.chosen[:n_run]).tolist()
-        evictable = set(unchosen)
+        unchosen = np.flatnonzero(~plan.chosen[:n_run])
+        evictable = set(unchosen.tolist())
         # Decodes first, those that can still pass before those that cannot (one token each: the
         # token budget never splits them), then the prefill chunks in the plan's order, each as long
         # as the step's time left allows.
         decodes.sort(key=lambda i: bool(c.missed[i]))
         self._run(ctx, c, plan.kind, decodes, ctx.token_budget, victims, evictable)
-        self._run_prefills(ctx, c, plan, prefills, victims, evictable)
-        if plan.budget is not None:
-            ctx.planned_extra_s = plan.budget.extra_s
-        # Unchosen running requests still holding pages keep decoding while the budget lasts.
-        self._run(ctx, c, plan.kind, unchosen, ctx.token_budget, [], set())
+        progressed = self._run_prefills(ctx, c, plan, prefills, victims, evictable, floor=True)
+        # Unchosen running requests still holding pages go on: decodes while the token budget lasts,
+        # prefill chunks within what is left of the step's time.
+        self._run(ctx, c, plan.kind, unchosen[c.is_decoding[unchosen]].tolist(), ctx.token_budget, [], set())
+        self._run_prefills(ctx, c, plan, unchosen[~c.is_decoding[unchosen]].tolist(), [], set(), floor=not progressed)
+        ctx.planned_extra_s = plan.budget.extra_s
         if ctx.num_scheduled == 0 and ctx.running:
             # Liveness: page estimates can be off by rounding; never let a step schedule nothing
             # while requests hold memory. Fall back to preempting the lowest-value running request.
             rank = {id(c.requests[i]): plan.density[i] for i in range(n_run)}
             key = lambda r: (r not in self._protected, -rank.get(id(r), 0.0))  # noqa: E731
             run_running(ctx, sorted(ctx.running, key=key), victim_key=key, chunked=True)
-
-    def _prefill_token_s(self) -> float:
-        return max(self.step_model.predict(1, 1) - self.step_model.predict(0, 0), 1e-9)
 
     def _step_target(self, c: Candidates, rows) -> float | None:
         """The seconds a step may take: ``tbt_headroom`` x the tightest TBT target among ``rows`` that
@@ -107,73 +108,82 @@ class IterationShaper:
         rows = np.flatnonzero(c.is_decoding[: c.num_running])
         target = self._step_target(c, rows) if self.step_model is not None else None
         if target is None:
-            return StepBudget(None, float("inf"))
-        chunks = [(int(c.num_computed[i]), 1, bool(c.is_hidden[i])) for i in rows.tolist()]
-        return StepBudget(target, target / self.slowdown - self._predict(chunks) - self._held_extra_s(c, rows))
+            return StepBudget(None, math.inf)
+        hidden = c.is_hidden[rows]
+        context = c.num_computed[rows] + 1
+        decode_s = self.step_model.predict(int(rows.size), int(context.sum()), int(context[hidden].sum()))
+        return StepBudget(target, target / self.slowdown - decode_s - self._held_extra_s(c, rows))
 
     def observe_step(self, predicted_s: float, measured_s: float) -> None:
-        """Track how much longer than predicted steps run here and now (``slowdown``): a model timed at
-        start does not see what shares the machine with the engine later (through Ray Serve on 2
-        cores, mixed steps ran 1.06x their prediction at the median and 1.17x at P90, where they had
-        run 1.00x / 1.13x in-process). The estimate rises fast and falls slowly, towards the upper
-        envelope of the ratio, since a step that runs long breaks a promise and one that runs short
-        only wastes a little; steps under 20 ms (launch and Python costs dominate) are not counted."""
-        if predicted_s < 0.02 or not measured_s > 0:
+        """Track how much longer than predicted the steps that carry prefill run here and now
+        (``slowdown``): a model timed at start does not see what shares the machine with the engine
+        later (through Ray Serve on 2 cores, mixed steps ran 1.06x their prediction at the median and
+        1.17x at P90, where they had run 1.00x / 1.13x in-process). The estimate rises fast and falls
+        slowly, towards the upper envelope of the ratio, since a step that runs long breaks a promise
+        and one that runs short only wastes a little. Only steps predicted at 0.1 s or more count:
+        those are the ones the budget sizes, and in shorter ones the engine's fixed costs outside the
+        model (scheduling, outputs: ~1-2 ms) would read as a slowdown."""
+        if predicted_s < 0.1 or not measured_s > 0:
             return
         ratio = min(3.0, max(0.5, measured_s / predicted_s))
         rate = 0.3 if ratio > self.slowdown else 0.03
         self.slowdown += rate * (ratio - self.slowdown)
 
-    def _run_prefills(self, ctx, c: Candidates, plan: Plan, prefills: list[int], victims: list[int],
-                      evictable: set[int]) -> None:
-        """Prefill chunks in order, each of the most tokens whose predicted time fits what is left of the
-        step's budget (``plan.budget``; a request coming back from the tier also pays its pages' way in);
-        without a promise to keep, the token budget alone. The first chunk gets at least one page's
-        worth, so prefills progress even when the decodes alone fill the step."""
+    def _run_prefills(self, ctx, c: Candidates, plan: Plan, rows: list[int], victims: list[int],
+                      evictable: set[int], *, floor: bool) -> bool:
+        """Prefill chunks of ``rows`` in order, each of the most tokens whose predicted time fits what is
+        left of the step's budget (a request coming back from the tier also pays its pages' way in);
+        without a promise to keep, the token budget alone. With ``floor``, the first chunk that runs
+        gets at least one page's worth, so prefill progresses even when the decodes alone fill the
+        step. Returns whether any chunk ran."""
         budget = plan.budget
-        if budget is None or budget.target_s is None:
-            self._run(ctx, c, plan.kind, prefills, ctx.token_budget, victims, evictable)
-            return
-        floor = ctx.cache.layout.block_size
+        if budget.target_s is None:
+            before = ctx.num_scheduled
+            self._run(ctx, c, plan.kind, rows, ctx.token_budget, victims, evictable)
+            return ctx.num_scheduled > before
+        n_run, progressed = c.num_running, False
+        page = ctx.cache.layout.block_size
         transfer = getattr(getattr(ctx.cache, "swap", None), "transfer", None)
-        for k, i in enumerate(prefills):
+        hidden_code = KIND_CODE[CacheKind.HIDDEN]
+        for i in rows:
             r = c.requests[i]
             if r.is_finished or ctx.is_scheduled(r):
                 continue
-            start, hidden = r.num_computed_tokens, bool(c.is_hidden[i])
+            start, left = r.num_computed_tokens, r.num_tokens_to_compute
+            # The kind it runs in: what it holds, or (new, or back from the tier) what the plan chose.
+            hidden = bool(c.held[i] == hidden_code) if i < n_run and r.page_ids else plan.kind[i] == hidden_code
             swap_in_s = len(r.swap_slots) * transfer.in_s_per_page if (r.swap_slots and transfer) else 0.0
-            n = self._chunk_fitting(start, budget.left_s - swap_in_s, hidden)
-            n = max(n, min(floor, r.num_tokens_to_compute) if k == 0 else 0)
+            limit = min(left, ctx.token_budget)
+            n = self._chunk_fitting(start, budget.left_s - swap_in_s, hidden, limit)
+            if floor and not progressed:
+                n = max(n, min(page, limit))
             if n <= 0:
-                break
-            before = ctx.token_budget
-            self._run(ctx, c, plan.kind, [i], min(n, before), victims, evictable)
-            if ctx.token_budget < before:
-                budget.spend(self._chunk_s(start, before - ctx.token_budget, hidden))
-                budget.spend(swap_in_s, extra=True)
+                continue  # another (shallower) chunk may still fit
+            self._run(ctx, c, plan.kind, [i], n, victims, evictable)
+            if ctx.is_scheduled(r):
+                progressed = True
+                budget.spend(self._chunk_s(start, ctx.scheduled_tokens(r), hidden))
+                if ctx.is_swapping_in(r):
+                    budget.spend(swap_in_s, extra=True)
+        return progressed
 
-    def _predict(self, chunks: list[tuple[int, int, bool]]) -> float:
-        """Predicted seconds of a step of ``(start, tokens, hidden)`` chunks."""
-        tokens = context = hidden = pairs = 0
-        for start, n, is_hidden in chunks:
-            tokens += n
-            context += start + n
-            hidden += (start + n) if is_hidden else 0
-            pairs += chunk_pairs(start, n)
-        return self.step_model.predict(tokens, context, hidden, pairs)
+    def _predict(self, rows: list[tuple[int, int, bool]]) -> float:
+        """Predicted seconds of a step of ``(start, tokens, hidden)`` rows."""
+        return self.step_model.predict(*rows_features(rows))
 
     def _chunk_s(self, start: int, n: int, hidden: bool) -> float:
         """What a prefill chunk of ``n`` tokens from ``start`` adds to a step."""
-        ctx = start + n
-        return (self.step_model.predict(n, ctx, ctx if hidden else 0, chunk_pairs(start, n))
-                - self.step_model.predict(0, 0))
+        return self._predict([(start, n, hidden)]) - self._predict([])
 
-    def _chunk_fitting(self, start: int, seconds: float, hidden: bool, limit: int = 1 << 16) -> int:
-        """The most tokens a chunk from ``start`` may have while adding at most ``seconds`` (0 if none)."""
-        if seconds <= 0 or self._chunk_s(start, 1, hidden) > seconds:
+    def _chunk_fitting(self, start: int, seconds: float, hidden: bool, limit: int) -> int:
+        """The most tokens (at most ``limit``) a chunk from ``start`` may have while adding at most
+        ``seconds`` (0 if none): the chunk's time rises with its tokens, so bisect."""
+        if limit <= 0 or seconds <= 0 or self._chunk_s(start, 1, hidden) > seconds:
             return 0
+        if self._chunk_s(start, limit, hidden) <= seconds:
+            return limit
         lo, hi = 1, limit
-        while lo < hi:  # the chunk's time rises with its tokens
+        while lo < hi:
             mid = (lo + hi + 1) // 2
             if self._chunk_s(start, mid, hidden) <= seconds:
                 lo = mid

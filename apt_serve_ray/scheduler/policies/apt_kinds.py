@@ -15,6 +15,10 @@ Two directions, both "a compressed kind is a remedy for memory pressure, not a s
   compressed ones while the spare pages allow and nobody waits for memory, go back to KV (largest
   context first: it costs the most per step).
 
+Both are work in this step: each is priced by its measured seconds per token
+(``StepCosts.conversion_costs``) and done only where the step's budget (``Plan.budget``, see
+``apt_iteration.py``) still has room for it; one that does not fit waits for a later step.
+
 A mixin of ``AdaptiveScheduler``: it reads the policy's step-time model and per-kind costs.
 """
 

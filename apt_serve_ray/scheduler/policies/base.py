@@ -22,7 +22,8 @@ class SchedulingPolicy(ABC):
         self.costs = costs
 
     def observe_step(self, predicted_s: float, measured_s: float) -> None:
-        """After each step that ran with a prediction (``SchedulerOutput.predicted_s``): what it took.
+        """After each step that ran with a prediction (``StepStats.predicted_s``: the step-time model's
+        seconds for its chunks plus ``SchedulerOutput.planned_extra_s``): what it took.
         A policy that sizes steps by its model may correct the model with it; by default, nothing."""
 
     @abstractmethod
