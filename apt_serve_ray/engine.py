@@ -25,7 +25,6 @@ from apt_serve_ray.observability.observer import EngineObserver, RequestEvent, R
 from apt_serve_ray.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from apt_serve_ray.request import CacheKind, Request, RequestStatus
 from apt_serve_ray.sampling_params import SamplingParams
-from apt_serve_ray.scheduler.costs import predict_step
 from apt_serve_ray.scheduler.output import ScheduledChunk
 from apt_serve_ray.scheduler.registry import make_policy
 from apt_serve_ray.scheduler.scheduler import Scheduler
@@ -246,11 +245,7 @@ class LLMEngine:
             self._emit_schedule_events(out, sched_now)
         if out.is_empty:
             return []
-        policy = self.scheduler.policy
-        costs = getattr(policy, "costs", None)
-        predicted = predict_step(costs.step_time if costs is not None else None, out.chunks)
-        if predicted is not None:
-            predicted += out.planned_extra_s
+        predicted = self.scheduler.predicted_seconds(out)
         t1 = self.clock()
         try:
             results = self.runner.execute(out)
@@ -272,18 +267,14 @@ class LLMEngine:
         outputs = [self._on_token(request, sampled, now) for request, sampled in results]
         self.num_steps += 1
         decodes = sum(1 for c in out.chunks if c.num_tokens == 1 and c.request.num_output_tokens)
+        upgrades = sum(p.is_upgrade for p in out.conversions)
         self.last_step = StepStats(
             schedule_s=out.schedule_time_s, execute_s=now - t1, total_s=self.clock() - t0,
-            num_tokens=out.num_batched_tokens, num_seqs=len(out.chunks), num_upgrades=sum(p.is_upgrade for p in out.conversions),
-            preempt_causes=tuple(out.preempt_causes), cache=self.cache_stats(),
-            num_swap_outs=sum(out.preempt_swapped), num_swap_ins=len(out.swap_in),
-            num_decodes=decodes, num_prefill_tokens=out.num_batched_tokens - decodes,
-            num_compressions=sum(not p.is_upgrade for p in out.conversions),
-            predicted_s=predicted,
-        )
-        observe = getattr(policy, "observe_step", None)
-        if predicted is not None and observe is not None:
-            observe(predicted, self.last_step.total_s)
+            num_tokens=out.num_batched_tokens, num_seqs=len(out.chunks), num_upgrades=upgrades,
+            preempt_causes=tuple(out.preempt_causes), cache=self.cache_stats(), num_swap_outs=sum(out.preempt_swapped),
+            num_swap_ins=len(out.swap_in), num_decodes=decodes, num_prefill_tokens=out.num_batched_tokens - decodes,
+            num_compressions=len(out.conversions) - upgrades, predicted_s=predicted)
+        self.scheduler.observe_step(predicted, self.last_step.total_s)
         for observer in self._observers:
             observer.on_step(self, self.last_step, now)
         return outputs
@@ -406,5 +397,6 @@ class LLMEngine:
             num_swap_slots=self.swap.num_slots if self.swap else 0,
             num_used_swap_slots=self.swap.num_used_slots if self.swap else 0, num_swap_outs=sched.num_swap_outs,
             admission_open=sched.admission_open and sched.pressure_admit, hidden_allowed=self.hidden_allowed,
+            max_running_priority=max((r.priority for r in sched.running), default=None),
             **self._geometry,
         )

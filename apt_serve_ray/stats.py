@@ -50,6 +50,9 @@ class CacheStats:
     num_swap_slots: int = 0
     num_used_swap_slots: int = 0
     num_swap_outs: int = 0
+    # The largest priority value (the least important) among running requests: an arrival of a smaller
+    # value may displace it (apt's priority preemption), so memory that is full is not full for it.
+    max_running_priority: int | None = None
 
     def as_load(self) -> dict:
         """The load-report keys of ``AsyncLLMEngine.load()`` (per-kind figures as ``{"kv", "hidden"}``)."""
@@ -73,6 +76,7 @@ class CacheStats:
             "num_running": self.num_running,
             "num_preemptions": self.num_preemptions,
             "admission_open": self.admission_open,
+            "max_running_priority": self.max_running_priority,
         }
 
 

@@ -9,7 +9,7 @@ arrivals, two service levels, memory that binds. Attainment per class, goodput, 
     PEER=/path/to/vllm-peer python benchmarks/mixed_traffic.py serve --servers ours ours-kv vllm vllm-priority \\
         --rates 0.25 0.4 0.6 --dtype float32 --json docs/benchmarks/mixed/serve_fp32.json
 
-The trace (``workloads.make_mixed_trace``, defaults as in issue 26): ``--num-requests`` requests a rate,
+The trace (``bench/mixed_trace.py``, defaults as in issue 26): ``--num-requests`` requests a rate,
 Gamma arrivals of coefficient of variation ``--cv`` (3: bursty); ``--chat-share`` of them chats (prompt
 64-256 tokens, 32-128 out; TTFT 2 s, P99 gap 0.5 s, priority 0), the rest documents (900-1,500
 prompt tokens, 64-128 out; TTFT 12 s, P99 gap 1 s, priority 10). Every length range and target is a
@@ -73,15 +73,8 @@ from apt_serve_ray.bench.slo_metrics import (  # noqa: E402
     summarize,
     ttft_ms,
 )
-from apt_serve_ray.bench.workloads import (  # noqa: E402
-    ServiceClass,
-    TrafficClass,
-    Uniform,
-    WorkloadSpec,
-    fill_token_ids,
-    make_mixed_trace,
-    with_rate,
-)
+from apt_serve_ray.bench.mixed_trace import TrafficClass, make_mixed_trace  # noqa: E402
+from apt_serve_ray.bench.workloads import ServiceClass, Uniform, WorkloadSpec, fill_token_ids, with_rate  # noqa: E402
 from apt_serve_ray.cpu_info import cpu_name, has_native_bf16  # noqa: E402
 
 _DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "apt-serve-ray"
@@ -456,6 +449,52 @@ def plot(results: dict, out_dir: Path, tag: str) -> list[str]:
     return [str(path)]
 
 
+def report(path: Path, baseline: str | None) -> str:
+    """Markdown tables of every run in the JSON at ``path``: per rate, each server or policy's
+    attainment (all / chat / documents), goodput (and its ratio to ``baseline``'s), misses by cause
+    and class, and the median longest gap per class; then effective throughput; then how well the
+    step-time model predicted ours (measured / predicted, by kind of step)."""
+    doc = json.loads(path.read_text())
+    runs = doc["runs"]
+    names = list(runs)
+    base = next((n for n in names if baseline and n.split(":", 1)[1] == baseline), None)
+    rows = {}
+    for name in names:
+        for a in runs[name]["results"]:
+            rows.setdefault((a["seed"], a["rate"]), {})[name] = a
+    lines = ["| seed | rate | server | attainment all / chat / documents | goodput (req/s) | TTFT misses chat / doc "
+             "| gap misses chat / doc | longest gap chat / doc (median, s) |", "|---|---|---|---|---|---|---|---|"]
+    for (seed, rate), by in sorted(rows.items()):
+        ref = by.get(base)
+        for name in names:
+            a = by.get(name)
+            if a is None:
+                continue
+            al, ch, dc = a["all"], a["chat"], a["document"]
+            ratio = (f" ({al['goodput'] / ref['all']['goodput']:.2f}x)" if ref is not None and name != base
+                     and ref["all"]["goodput"] > 0 else "")
+            lines.append(f"| {seed} | {rate:g} | {name.split(':', 1)[1]} | {al['attainment']:.1%} / {ch['attainment']:.1%} / "
+                         f"{dc['attainment']:.1%} | {al['goodput']:.3f}{ratio} | {ch['ttft_misses']}/{ch['num']} / "
+                         f"{dc['ttft_misses']}/{dc['num']} | {ch['gap_misses']} / {dc['gap_misses']} | "
+                         f"{ch['median_longest_gap_ms'] / 1000:.2f} / {dc['median_longest_gap_ms'] / 1000:.2f} |")
+    lines += ["", "| server | effective throughput at 90% / 60%: all | chat | documents (req/s) |", "|---|---|"]
+    for name in names:
+        e = runs[name]["effective_throughput"]
+        lines.append(f"| {name.split(':', 1)[1]} | " + " \\| ".join(
+            f"{e[g]['90']:.3f} / {e[g]['60']:.3f}" for g in ("all", "chat", "document")) + " |")
+    pred = [(name, a["rate"], a["prediction"]) for name in names for a in runs[name]["results"] if a.get("prediction")]
+    if pred:
+        lines += ["", "| server | rate | decode steps: n, measured / predicted median, P90 | prefill | mixed |",
+                  "|---|---|---|---|---|"]
+        for name, rate, p in pred:
+            cell = lambda k: (f"{p[k]['num']}, {p[k]['median_ratio']:.2f}, {p[k]['p90_ratio']:.2f}"  # noqa: E731
+                              if k in p else "-")
+            lines.append(f"| {name.split(':', 1)[1]} | {rate:g} | {cell('decode')} | {cell('prefill')} | {cell('mixed')} |")
+    machines = {json.dumps(runs[n]["machine"], sort_keys=True) for n in names}
+    lines += ["", "Machine(s): " + "; ".join(machines)]
+    return "\n".join(lines)
+
+
 def machine() -> dict:
     return {"cpu": cpu_name(), "native_bf16": has_native_bf16(), "num_cpus": os.cpu_count(),
             "python": platform.python_version()}
@@ -473,7 +512,9 @@ def git_state() -> str:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("mode", choices=("engine", "serve"))
+    p.add_argument("mode", choices=("engine", "serve", "report"),
+                   help="report: print the tables of --json (with --baseline, goodput ratios against it)")
+    p.add_argument("--baseline", default="vllm", help="report: the server goodput ratios are against")
     p.add_argument("--policies", nargs="+", default=["apt", "apt-kv", "sarathi"], help="engine mode")
     p.add_argument("--servers", nargs="+", default=["ours", "vllm"], help="serve mode")
     p.add_argument("--rates", nargs="+", type=float, default=[0.25, 0.4, 0.6])
@@ -516,6 +557,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.mode == "report":
+        if args.json is None or not args.json.exists():
+            raise SystemExit("report: --json must name a results file")
+        print(report(args.json, args.baseline))
+        return
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     out = run_engine(args) if args.mode == "engine" else run_serve(args)
     eff = effective(out["results"])

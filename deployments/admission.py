@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -80,7 +81,8 @@ class AdmissionQueue:
         self.fairness_penalty = fairness_penalty
         self.expected_ttft_s = 0.0  # from admission to first token; the router keeps it current
         self.num_in_flight = 0
-        self.held = False  # no slot is granted while held (``hold``)
+        self.held = False  # no slot is granted while held (``hold``) ...
+        self.pass_below = -math.inf  # ... but to a request of a priority value below this (``hold``)
         self._waiting: list[tuple[Ticket, asyncio.Future]] = []  # arrival order
 
     @property
@@ -103,8 +105,13 @@ class AdmissionQueue:
         finally:
             self.release()
 
+    def is_held(self, ticket: Ticket) -> bool:
+        """Whether the hold keeps ``ticket`` waiting (a more important one than any running passes)."""
+        return self.held and not ticket.priority < self.pass_below
+
     async def acquire(self, ticket: Ticket) -> None:
-        if not self.held and self.num_in_flight < self.max_in_flight and not self._waiting:
+        if (not self.is_held(ticket) and self.num_in_flight < self.max_in_flight
+                and not any(not self.is_held(t) for t, _ in self._waiting)):
             self.num_in_flight += 1
             return
         if len(self._waiting) >= self.max_queued:
@@ -132,9 +139,12 @@ class AdmissionQueue:
         self.max_in_flight = max_in_flight
         self._grant()
 
-    def hold(self, held: bool) -> None:
-        """Hold every new slot (the requests in flight go on), or let the line move again."""
-        self.held = held
+    def hold(self, held: bool, pass_below: float = -math.inf) -> None:
+        """Hold new slots (the requests in flight go on), or let the line move again. While held, a
+        request of a priority value below ``pass_below`` (more important than the least important one
+        running) still goes through: the engine may displace a less important request for it (apt's
+        priority preemption), which it cannot do for a request the router holds back."""
+        self.held, self.pass_below = held, pass_below
         self._grant()
 
     def observe_ttft(self, seconds: float) -> None:
@@ -143,12 +153,16 @@ class AdmissionQueue:
         self.expected_ttft_s += TTFT_SMOOTHING * (seconds - self.expected_ttft_s)
 
     def _grant(self) -> None:
-        while not self.held and self._waiting and self.num_in_flight < self.max_in_flight:
+        while self._waiting and self.num_in_flight < self.max_in_flight:
+            eligible = [i for i, (t, _) in enumerate(self._waiting) if not self.is_held(t)]
+            if not eligible:
+                return
             now = time.monotonic()
-            if now - self._waiting[0][0].arrival >= self.max_wait_s:
-                best = 0
+            if now - self._waiting[eligible[0]][0].arrival >= self.max_wait_s:
+                best = eligible[0]
             else:
-                best = int(np.argmax(self.scores(now)))  # argmax takes the first of equals: the earliest
+                scores = self.scores(now)
+                best = eligible[int(np.argmax(scores[eligible]))]  # argmax takes the first of equals: the earliest
             _, future = self._waiting.pop(best)
             if not future.done():
                 self.num_in_flight += 1

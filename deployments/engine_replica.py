@@ -220,7 +220,7 @@ class EngineReplica:
             step_time_ms=engine["step_time_ms"], seed=self.engine.config.seed,
             num_requests=self.num_requests, num_aborted=self.num_aborted,
             pages_by_kind=dict(engine["pages"]), compressed_kinds=tuple(engine.get("compressed_kinds", ())),
-            is_pressured=self._is_pressured)
+            is_pressured=self._is_pressured, max_running_priority=engine.get("max_running_priority"))
 
     def record_routing_stats(self) -> dict:
         """Serve requires a dict here; ``FitAwareRequestRouter`` reads it back as a ``LoadReport``."""

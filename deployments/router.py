@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 from typing import Literal, Optional
 
@@ -267,9 +268,18 @@ class Router:
                 if limit != self.admission.max_in_flight:
                     self.admission.resize(limit)
             held = self.holds_when_closed and not self.link.is_admission_open()  # a silent controller: not held
-            if held != self.admission.held:
-                self.admission.hold(held)
+            pass_below = self._least_important_running()
+            if (held, pass_below) != (self.admission.held, self.admission.pass_below):
+                self.admission.hold(held, pass_below)
             await asyncio.sleep(self.options.poll_interval_s)
+
+    def _least_important_running(self) -> float:
+        """The largest priority value running on any replica (-inf: none): over the heavy watermark, an
+        arrival more important than it is not held, since its replica may displace that request."""
+        state = self.link.state
+        values = [r.max_running_priority for r in (state.replicas.values() if state is not None else ())
+                  if r.max_running_priority is not None]
+        return float(max(values)) if values else -math.inf
 
     @property
     def holds_when_closed(self) -> bool:
@@ -331,7 +341,7 @@ class Router:
         request's TTFT target has passed: it has missed that target by then, and a 503 with
         ``Retry-After`` tells its client more than a late answer would."""
         try:
-            while self.admission.held:
+            while self.admission.is_held(ticket):
                 remaining = ticket.deadline - time.monotonic()
                 if remaining <= 0:
                     raise self._closed()

@@ -140,6 +140,9 @@ class LoadReport:
     compressed_kinds: tuple[str, ...] = ()
     # The controller marked this replica pressured (its own usage over the heavy watermark): the request router sends new requests to the others while they have room.
     is_pressured: bool = False
+    # The least important running request's priority value (None: none running): a more important
+    # arrival may displace it, so the routers do not hold such arrivals over the heavy watermark.
+    max_running_priority: int | None = None
 
     @property
     def num_used_pages(self) -> int:

@@ -18,7 +18,7 @@ COST = CostModel(base_s=0.010, per_token_s=0.001, per_context_s=0.0, hidden_cont
 LOAD_KEYS = {"hidden_supported", "hidden_allowed", "hidden_ratio", "bytes_per_token", "tokens_per_page",
              "bytes_per_page", "num_pages", "num_free_pages", "pages", "tokens", "usage", "cache_ratio",
              "hidden_share", "num_waiting", "num_running", "num_preemptions", "admission_open",
-             "compressed_kinds", "compressed_share"}
+             "compressed_kinds", "compressed_share", "max_running_priority"}
 
 
 def _sim(policy: str = "sarathi", num_pages: int = 20) -> SimulatedEngine:
@@ -64,6 +64,7 @@ def test_stats_are_frozen_pickle_and_keep_the_load_report_keys():
         step.cache.num_free_pages = 0
     load = step.cache.as_load()
     assert set(load) == LOAD_KEYS
+    assert load["max_running_priority"] == 0  # the one running request's (what the routers' hold reads)
     assert load["pages"] == {"kv": 3, "hidden": 0, "kv-int8": 0, "hidden-int8": 0}
     assert load["tokens_per_page"] == {"kv": 16, "hidden": 32}
     # The async engine's load report is the same dict plus its own two figures.

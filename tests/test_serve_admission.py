@@ -194,6 +194,25 @@ async def test_a_held_queue_grants_no_slot_and_lets_its_line_through_by_score_wh
 
 
 @pytest.mark.asyncio
+async def test_a_hold_lets_through_requests_more_important_than_any_running():
+    # Over the heavy watermark a chat (priority 0) may displace a running document (priority 10) in the
+    # engine; held in the router it could only wait out its TTFT target and get a 503 (issue 26: six
+    # chats of a burst, bf16, 0.5 req/s).
+    queue = AdmissionQueue(max_in_flight=8, max_queued=8)
+    queue.hold(True, pass_below=10)
+    batch = asyncio.create_task(queue.acquire(Ticket(4, 30.0, priority=10)))  # as unimportant: held
+    await asyncio.sleep(0.01)
+    assert not batch.done() and queue.is_held(Ticket(1, 1.0, priority=10))
+    await asyncio.wait_for(queue.acquire(Ticket(2, 2.0, priority=0)), 0.05)  # not held, not behind it
+    assert queue.num_in_flight == 1 and queue.num_waiting == 1
+    queue.hold(True)  # nothing running to displace: everyone waits
+    assert queue.is_held(Ticket(2, 2.0, priority=-5))
+    queue.hold(False)
+    await asyncio.wait_for(batch, 0.05)
+    assert queue.num_in_flight == 2
+
+
+@pytest.mark.asyncio
 async def test_a_request_that_stops_waiting_during_a_hold_leaves_the_line():
     queue = AdmissionQueue(max_in_flight=1, max_queued=4)
     queue.hold(True)

@@ -86,6 +86,17 @@ def test_slots_have_owners_and_the_tier_says_no_when_full():
         swap.copy_out(CacheStorage(TINY, 2, "cpu", torch.float32), [0], [0])
 
 
+def test_the_last_freed_slots_are_reused_first():
+    # A stack, not a queue: the slots in use stay the few already written once. Cycling through the
+    # whole file wrote cold blocks on every swap-out (2.4-3.7 ms a page instead of 0.2 ms, fp32 OPT-125m).
+    swap = SwapSpace(TINY, 100)
+    assert swap.allocate(3, "a") == [0, 1, 2]  # the low slots first
+    b = swap.allocate(2, "b")
+    swap.free(b, "b")
+    assert sorted(swap.allocate(2, "c")) == sorted(b)
+    swap.check_integrity()
+
+
 def test_bandwidth_is_measured_and_leaves_the_pages_as_they_were():
     storage = CacheStorage(TINY, 10, "cpu", torch.float32)
     _fill(storage, CacheKind.KV, list(range(10)), torch.Generator().manual_seed(1))

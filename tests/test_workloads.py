@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 
+from apt_serve_ray.bench.mixed_trace import MIXED, make_mixed_trace
 from apt_serve_ray.bench.workloads import (
-    MIXED,
     WORKLOADS,
     Diurnal,
     OnOff,
@@ -16,7 +16,6 @@ from apt_serve_ray.bench.workloads import (
     assign_classes,
     fill_token_ids,
     load_trace,
-    make_mixed_trace,
     make_random_trace,
     make_shaped_trace,
     make_trace,

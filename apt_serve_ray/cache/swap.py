@@ -101,7 +101,11 @@ class SwapSpace:
         self.num_slots = num_slots
         self.device = torch.device(device) if device is not None else None
         self.transfer: TransferCost | None = None  # measured (``measure_bandwidth``) or given (simulator)
-        self._free: deque[int] = deque(range(num_slots))
+        # Last freed, first reused (a stack: the low slots first at start): the slots in use stay the
+        # few the tier's working set needs, already written once. Cycling first-in-first-out through a
+        # 4 GiB file made every swap-out write cold blocks (page faults, block allocation): a 90-page
+        # swap-out of an fp32 OPT-125m request took ~0.3 s, 10x its measured (warm) cost.
+        self._free: deque[int] = deque(reversed(range(num_slots)))
         self._owner: list[str | None] = [None] * num_slots
         self._data: torch.Tensor | None = None
         self._mmap: np.memmap | None = None
@@ -144,7 +148,7 @@ class SwapSpace:
             raise ValueError(f"num: must be >= 0, got {num}")
         if num > len(self._free):
             return None
-        slots = [self._free.popleft() for _ in range(num)]
+        slots = [self._free.pop() for _ in range(num)]
         for slot in slots:
             self._owner[slot] = owner
         return slots

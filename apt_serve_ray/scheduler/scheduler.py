@@ -15,7 +15,7 @@ from itertools import compress
 from apt_serve_ray.cache.cache_manager import CacheManager, can_convert
 from apt_serve_ray.config import EngineConfig
 from apt_serve_ray.request import CacheKind, Request, RequestStatus
-from apt_serve_ray.scheduler.costs import recompute_seconds
+from apt_serve_ray.scheduler.costs import predict_step, recompute_seconds
 from apt_serve_ray.scheduler.output import ScheduledChunk, SchedulerOutput
 
 
@@ -100,6 +100,19 @@ class Scheduler:
     def set_cache_ratio(self, ratio: float) -> None:
         """``ratio``: already checked by whoever took it in (``config.check_share``)."""
         self.cache_ratio = ratio if self.compressed_kinds else 0.0
+
+    def predicted_seconds(self, out: SchedulerOutput) -> float | None:
+        """What the policy's step-time model predicts for ``out``'s chunks, plus what the policy priced
+        its kind changes and transfers at (None: a policy without a model)."""
+        costs = getattr(self.policy, "costs", None)
+        predicted = predict_step(costs.step_time if costs is not None else None, out.chunks)
+        return None if predicted is None else predicted + out.planned_extra_s
+
+    def observe_step(self, predicted_s: float | None, measured_s: float) -> None:
+        """Tell the policy what a step it predicted took (``SchedulingPolicy.observe_step``)."""
+        observe = getattr(self.policy, "observe_step", None)
+        if predicted_s is not None and observe is not None:
+            observe(predicted_s, measured_s)
 
     # One decision ---------------------------------------------------------------------------------
     def schedule(self, now: float | None = None) -> SchedulerOutput:
