@@ -561,6 +561,10 @@ def main(argv=None) -> None:
         if args.json is None or not args.json.exists():
             raise SystemExit("report: --json must name a results file")
         print(report(args.json, args.baseline))
+        if args.out_dir:
+            runs = json.loads(args.json.read_text())["runs"]
+            args.out_dir.mkdir(parents=True, exist_ok=True)
+            print("plots:", *plot({k.split(":", 1)[1]: v["results"] for k, v in runs.items()}, args.out_dir, args.tag))
         return
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     out = run_engine(args) if args.mode == "engine" else run_serve(args)
@@ -581,9 +585,11 @@ def main(argv=None) -> None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=1))
         print(f"written: {args.json}")
-    if args.out_dir:
+    if args.out_dir:  # every server or policy in the JSON (earlier runs too), else this run's
+        results = ({k.split(":", 1)[1]: v["results"] for k, v in doc["runs"].items() if k.startswith(args.mode + ":")}
+                   if args.json else out["results"])
         args.out_dir.mkdir(parents=True, exist_ok=True)
-        print("plots:", *plot(out["results"], args.out_dir, args.tag))
+        print("plots:", *plot(results, args.out_dir, args.tag))
 
 
 if __name__ == "__main__":
