@@ -75,26 +75,34 @@ def test_fused_hidden_decode_matches_reference(dtype, rope, heads, kv_heads, dim
         assert (out.float() - ref).abs().max() < 2 * _tolerance(dtype), part
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n,start", [(1, 0), (5, 0), (37, 0), (64, 0), (33, 100), (3, 47), (70, 31)])
-@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 64), (8, 2, 32), (2, 1, 128)])
-def test_prefill_attention_matches_reference(dtype, n, start, heads, kv_heads, dim, threads):
-    if not ca.prefill_supported(dim, dtype):
-        pytest.skip("no AVX-512 prefill kernel in this build (the engine uses SDPA)")
+def _paged_prefill_case(dtype, n, start, heads, kv_heads, dim, seed):
+    """A chunk of ``n`` queries at ``start`` over random pages in a random order: (kv [P, BS, 2, KVH, D],
+    block table, q, the context's keys and values [ctx, 2, KVH, D] in float32, SDPA's answer)."""
     import torch.nn.functional as F
 
-    g = torch.Generator().manual_seed(n * 7 + start)
+    g = torch.Generator().manual_seed(seed)
     block_size, num_pages = 16, 40
     kv = torch.randn(num_pages, block_size, 2, kv_heads, dim, generator=g).to(dtype)
     ctx = start + n
     table = torch.randperm(num_pages, generator=g)[: -(-ctx // block_size)].to(torch.int32)
     q = torch.randn(n, heads, dim, generator=g).to(dtype)
     pos = torch.arange(ctx)
-    keys = kv[table.long()[pos // block_size], pos % block_size].float()  # [ctx, 2, KVH, D]
+    keys = kv[table.long()[pos // block_size], pos % block_size].float()
     mask = pos[None, :] <= torch.arange(start, ctx)[:, None]
     t = lambda x: x.transpose(0, 1)[None]  # noqa: E731
     ref = F.scaled_dot_product_attention(t(q.float()), t(keys[:, 0]), t(keys[:, 1]), attn_mask=mask,
                                          scale=dim**-0.5, enable_gqa=heads != kv_heads)[0].transpose(0, 1)
+    return kv, table, q, keys, ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,start", [(1, 0), (5, 0), (37, 0), (64, 0), (33, 100), (3, 47), (70, 31)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 64), (8, 2, 32), (2, 1, 128)])
+def test_prefill_attention_matches_reference(dtype, n, start, heads, kv_heads, dim, threads):
+    if not ca.prefill_supported(dim, dtype):
+        pytest.skip("no AVX-512 prefill kernel in this build (the engine uses SDPA)")
+    kv, table, q, keys, ref = _paged_prefill_case(dtype, n, start, heads, kv_heads, dim, seed=n * 7 + start)
+    ctx = start + n
     out = ca.prefill_attention(q, kv[:, :, 0], kv[:, :, 1], table, start, dim**-0.5)
     assert out.dtype == dtype and out.shape == q.shape
     assert (out.float() - ref).abs().max() < _tolerance(dtype)
@@ -142,23 +150,10 @@ PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 64), (8, 2, 32)])
 def test_sdpa_prefill_over_gathered_pages_matches_reference(dtype, n, start, heads, kv_heads, dim):
     # The other prefill path of the CPU backend: pages gathered into one tile, torch's fused attention.
-    import torch.nn.functional as F
-
     from apt_serve_ray.attention.cpu_backend import gather_kv_pages, sdpa_prefill
 
-    g = torch.Generator().manual_seed(n * 5 + start)
-    block_size, num_pages = 16, 40
-    kv = torch.randn(num_pages, block_size, 2, kv_heads, dim, generator=g).to(dtype)
-    ctx = start + n
-    table = torch.randperm(num_pages, generator=g)[: -(-ctx // block_size)].to(torch.int32)
-    q = torch.randn(n, heads, dim, generator=g).to(dtype)
-    pos = torch.arange(ctx)
-    keys = kv[table.long()[pos // block_size], pos % block_size].float()
-    mask = pos[None, :] <= torch.arange(start, ctx)[:, None]
-    t = lambda x: x.transpose(0, 1)[None]  # noqa: E731
-    ref = F.scaled_dot_product_attention(t(q.float()), t(keys[:, 0]), t(keys[:, 1]), attn_mask=mask,
-                                         scale=dim**-0.5, enable_gqa=heads != kv_heads)[0].transpose(0, 1)
-    k, v = gather_kv_pages(kv, table, ctx)
+    kv, table, q, keys, ref = _paged_prefill_case(dtype, n, start, heads, kv_heads, dim, seed=n * 5 + start)
+    k, v = gather_kv_pages(kv, table, start + n)
     assert torch.equal(k.float(), keys[:, 0]) and torch.equal(v.float(), keys[:, 1])
     out = sdpa_prefill(q, k, v, start, dim**-0.5)
     assert out.dtype == dtype and out.shape == q.shape
