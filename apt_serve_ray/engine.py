@@ -76,7 +76,8 @@ class LLMEngine:
         self.cache = CacheManager(PagePool(self.runner.num_pages), self.layout, self.swap)
         self.hidden_allowed = config.hidden_allowed(self.layout.hidden_saves_memory)
         self.compressed_kinds = config.compressed_kinds(self.layout)
-        self._log_cache_geometry()
+        logger.info(self.layout.describe(self.runner.num_pages, self.config.enable_hybrid_cache,
+                                         self.config.force_hidden))
         lay = self.layout
         self._geometry = dict(  # the fixed part of cache_stats(), published every step
             hidden_supported=lay.hidden_saves_memory, hidden_ratio=lay.hidden_ratio,
@@ -115,21 +116,6 @@ class LLMEngine:
             observer.on_request_event(request, event, now, attrs)
 
     # Set-up ---------------------------------------------------------------------------------------
-    def _log_cache_geometry(self) -> None:
-        lay = self.layout
-        kv, hid = lay.bytes_per_token(CacheKind.KV), lay.bytes_per_token(CacheKind.HIDDEN)
-        if not self.config.enable_hybrid_cache:
-            logger.info("hybrid cache disabled (enable_hybrid_cache=False): KV pages only; %d pages of %d B",
-                        self.runner.num_pages, lay.bytes_per_page)
-        elif lay.hidden_saves_memory:
-            logger.info("hybrid cache on: hidden %d B/token vs KV %d B/token (ratio %.2f); %d pages of %d B",
-                        hid, kv, lay.hidden_ratio, self.runner.num_pages, lay.bytes_per_page)
-        else:
-            logger.info("hybrid cache off for this model: hidden state %d B/token >= KV %d B/token "
-                        "(grouped-query attention); %s; %d pages of %d B", hid, kv,
-                        "hidden kind FORCED on for testing" if self.config.force_hidden else "KV pages only",
-                        self.runner.num_pages, lay.bytes_per_page)
-
     def _make_swap_space(self) -> SwapSpace | None:
         """The tier below memory (none at ``swap_space`` 0), its transfer cost measured now, as rho is."""
         swap = make_swap_space(self.config.swap_space, self.config.swap_dir, self.layout, self.runner)

@@ -133,3 +133,15 @@ class CacheLayout:
 
     def num_pages_for(self, num_tokens: int, kind: CacheKind) -> int:
         return math.ceil(num_tokens / self.tokens_per_page(kind))
+
+    def describe(self, num_pages: int, enable_hybrid_cache: bool, force_hidden: bool) -> str:
+        """One line for the engine's start-up log: whether the hybrid cache saves memory for this model."""
+        kv, hid = self.bytes_per_token(CacheKind.KV), self.bytes_per_token(CacheKind.HIDDEN)
+        pages = f"{num_pages} pages of {self.bytes_per_page} B"
+        if not enable_hybrid_cache:
+            return f"hybrid cache disabled (enable_hybrid_cache=False): KV pages only; {pages}"
+        if self.hidden_saves_memory:
+            return f"hybrid cache on: hidden {hid} B/token vs KV {kv} B/token (ratio {self.hidden_ratio:.2f}); {pages}"
+        how = "hidden kind FORCED on for testing" if force_hidden else "KV pages only"
+        return (f"hybrid cache off for this model: hidden state {hid} B/token >= KV {kv} B/token "
+                f"(grouped-query attention); {how}; {pages}")
