@@ -59,6 +59,10 @@ class EngineConfig:
     # off" baseline). On, it is used where a hidden page saves memory (MHA) or when force_hidden.
     enable_hybrid_cache: bool = True
     force_hidden: bool = False
+    # Automatic prefix caching (on by default, as in vLLM v1): full pages are named by a hash chain
+    # over their tokens and a request starts from the longest cached prefix of its tokens, in the kind
+    # it is admitted in. Off: every request computes every token (the engine before prefix caching).
+    enable_prefix_caching: bool = True
     # Batching.
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -110,7 +114,7 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name}: must be a positive number, got {value!r}")
-        for name in ("enable_hybrid_cache", "force_hidden", "enable_watermarks",
+        for name in ("enable_hybrid_cache", "force_hidden", "enable_watermarks", "enable_prefix_caching",
                      "calibrate_rho", "cache_proj_optimize", "engine_process"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")

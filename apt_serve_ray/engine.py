@@ -73,7 +73,8 @@ class LLMEngine:
             self.max_model_len = kv_capacity
         self.vocab_size = self.runner.vocab_size
         self.swap = self._make_swap_space()
-        self.cache = CacheManager(PagePool(self.runner.num_pages), self.layout, self.swap)
+        self.cache = CacheManager(PagePool(self.runner.num_pages), self.layout, self.swap,
+                                  enable_prefix_caching=config.enable_prefix_caching)
         self.hidden_allowed = config.hidden_allowed(self.layout.hidden_saves_memory)
         self.compressed_kinds = config.compressed_kinds(self.layout)
         logger.info(self.layout.describe(self.runner.num_pages, self.config.enable_hybrid_cache,
@@ -241,6 +242,8 @@ class LLMEngine:
             for plan in out.swap_out:  # their slots may not hold their pages: recompute them
                 if plan.request_id in self.requests:
                     self.cache.drop_swapped(self.requests[plan.request_id])
+                else:  # demoted prefix pages
+                    self.cache.forget_tier_slots(plan.slots)
             failed = []
             for chunk in out.chunks:
                 chunk.request.error = f"{type(exc).__name__}: {exc}"
@@ -248,8 +251,10 @@ class LLMEngine:
             return failed
         self.cache.release_deferred()
         now = self.clock()
+        name_pages = self.cache.name_computed_pages
         for chunk in out.chunks:
             chunk.request.num_computed_tokens += chunk.num_tokens
+            name_pages(chunk.request)
         outputs = [self._on_token(request, sampled, now) for request, sampled in results]
         self.num_steps += 1
         decodes = sum(1 for c in out.chunks if c.num_tokens == 1 and c.request.num_output_tokens)
@@ -329,7 +334,7 @@ class LLMEngine:
             request.last_kind.value if request.last_kind else None, request.num_compressions,
         )
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion], finished,
-                             metrics, request.error)
+                             metrics, request.error, num_cached_tokens=request.num_cached_tokens)
 
     def prompt_logits(self, token_ids: list[int], kind: CacheKind = CacheKind.KV) -> torch.Tensor:
         """Logits at every position of ``token_ids`` ([n, vocab], float32), computed through the paged
@@ -381,8 +386,14 @@ class LLMEngine:
             compressed_share=sched.compressed_share(),
             num_waiting=len(sched.waiting), num_running=len(sched.running), num_preemptions=sched.num_preemptions,
             num_swap_slots=self.swap.num_slots if self.swap else 0,
-            num_used_swap_slots=self.swap.num_used_slots if self.swap else 0, num_swap_outs=sched.num_swap_outs,
+            num_used_swap_slots=self.swap.num_used_slots - self.cache.num_tier_pages if self.swap else 0,
+            num_swap_outs=sched.num_swap_outs, num_tier_cached_pages=self.cache.num_tier_pages,
             admission_open=sched.admission_open and sched.pressure_admit, hidden_allowed=self.hidden_allowed,
             max_running_priority=max((r.priority for r in sched.running), default=None),
+            num_cached_pages=pool.num_cached_free_pages,
+            cached_pages_by_kind={k.value: pool.num_cached(k) for k in CacheKind},
+            prefix_query_tokens=dict(self.cache.prefix_stats.queries), prefix_hit_tokens=dict(self.cache.prefix_stats.hits),
+            num_prefix_evictions=pool.num_evictions,
+            prefix_tier_hit_tokens=dict(self.cache.prefix_stats.tier_hits),
             **self._geometry,
         )

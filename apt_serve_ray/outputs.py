@@ -46,3 +46,5 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     error: str | None = None
+    # Prompt tokens found in the prefix cache when it was first admitted (None before it was admitted).
+    num_cached_tokens: int | None = None

@@ -113,6 +113,12 @@ class Request:
         # Swapped out (preempted into the tier below memory): the slots holding its pages, in order.
         # It keeps ``kind`` and ``num_computed_tokens`` and holds no pages until it is swapped back in.
         self.swap_slots: list[int] = []
+        # Prefix caching: the names of its full pages, per kind (``CacheManager.block_hashes``); how many
+        # of its pages are named (-1: none from now on, its pages changed kind in place); and the
+        # prompt tokens found cached when it was first admitted (None before).
+        self.block_hashes: dict[CacheKind, list[bytes]] = {}
+        self.num_named_pages = 0
+        self.num_cached_tokens: int | None = None
 
         # Timestamps (time.monotonic seconds) for every latency metric.
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time

@@ -45,7 +45,7 @@ class CacheStats:
     tokens_per_page_by_kind: dict[str, int] | None = None
     compressed_kinds: tuple[str, ...] = ()  # offered by this engine, cheapest per step first
     compressed_share: float = 0.0  # share of the used pages in compressed kinds
-    # The tier below memory (``swap_space``): slots of one page each, in total and in use; preemptions
+    # The tier below memory (``swap_space``): slots of one page each, in total and in use by requests; preemptions
     # that kept their pages there since the engine started (the rest of num_preemptions recompute).
     num_swap_slots: int = 0
     num_used_swap_slots: int = 0
@@ -53,6 +53,23 @@ class CacheStats:
     # The largest priority value (the least important) among running requests: an arrival of a smaller
     # value may displace it (apt's priority preemption), so memory that is full is not full for it.
     max_running_priority: int | None = None
+    # Prefix caching: pages nobody references kept for a later hit (part of num_free_pages), by kind;
+    # tokens looked up at admission and found, by kind, since the engine started; pages evicted.
+    num_cached_pages: int = 0
+    cached_pages_by_kind: dict[str, int] | None = None
+    prefix_query_tokens: dict[str, int] | None = None
+    prefix_hit_tokens: dict[str, int] | None = None
+    num_prefix_evictions: int = 0
+    # Cached pages demoted to the tier below memory (their slots count as free for preempted requests,
+    # not in num_used_swap_slots), and tokens found there since the start, by kind.
+    num_tier_cached_pages: int = 0
+    prefix_tier_hit_tokens: dict[str, int] | None = None
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Tokens found in the prefix cache per token looked up at admission, since the start."""
+        queries = sum((self.prefix_query_tokens or {}).values())
+        return sum((self.prefix_hit_tokens or {}).values()) / queries if queries else 0.0
 
     def as_load(self) -> dict:
         """The load-report keys of ``AsyncLLMEngine.load()`` (per-kind figures as ``{"kv", "hidden"}``)."""
@@ -77,6 +94,8 @@ class CacheStats:
             "num_preemptions": self.num_preemptions,
             "admission_open": self.admission_open,
             "max_running_priority": self.max_running_priority,
+            "num_cached_pages": self.num_cached_pages,
+            "prefix_hit_rate": self.prefix_hit_rate,
         }
 
 

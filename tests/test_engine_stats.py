@@ -18,7 +18,7 @@ COST = CostModel(base_s=0.010, per_token_s=0.001, per_context_s=0.0, hidden_cont
 LOAD_KEYS = {"hidden_supported", "hidden_allowed", "hidden_ratio", "bytes_per_token", "tokens_per_page",
              "bytes_per_page", "num_pages", "num_free_pages", "pages", "tokens", "usage", "cache_ratio",
              "hidden_share", "num_waiting", "num_running", "num_preemptions", "admission_open",
-             "compressed_kinds", "compressed_share", "max_running_priority"}
+             "compressed_kinds", "compressed_share", "max_running_priority", "num_cached_pages", "prefix_hit_rate"}
 
 
 def _sim(policy: str = "sarathi", num_pages: int = 20) -> SimulatedEngine:

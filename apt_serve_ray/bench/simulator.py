@@ -166,12 +166,16 @@ class SimulatedEngine:
         return self.llm_engine.hidden_allowed
 
     def add(self, prompt_len: int, output_len: int, *, ttft_slo_ms: float | None = None, tbt_slo_ms: float | None = None,
-            priority: int = 0, request_id: str | None = None) -> Request:
-        """A request of ``prompt_len`` tokens that generates exactly ``output_len``, arriving now."""
+            priority: int = 0, request_id: str | None = None, prompt_token_ids: list[int] | None = None) -> Request:
+        """A request of ``prompt_len`` tokens that generates exactly ``output_len``, arriving now. Its
+        prompt shares no page with another's (its first token is its own) unless ``prompt_token_ids``
+        are given (then ``prompt_len`` is ignored): what the prefix cache finds is the caller's choice."""
         rid = request_id or f"r{self._next_id}"
+        if prompt_token_ids is None:
+            prompt_token_ids = [OUTPUT_TOKEN_ID + 1 + self._next_id % (self.runner.vocab_size - OUTPUT_TOKEN_ID - 1)] + [PROMPT_TOKEN_ID] * (prompt_len - 1)
         self._next_id += 1
         request = self.llm_engine.add_request(
-            [PROMPT_TOKEN_ID] * prompt_len, SamplingParams(max_tokens=output_len, ignore_eos=True), rid,
+            list(prompt_token_ids), SamplingParams(max_tokens=output_len, ignore_eos=True), rid,
             ttft_slo_ms=ttft_slo_ms, tbt_slo_ms=tbt_slo_ms, priority=priority)
         self._requests[rid] = request
         return request

@@ -6,6 +6,9 @@ instead of failing. The scheduler decides what to do when memory runs out.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from apt_serve_ray.cache.layout import CacheLayout
@@ -65,11 +68,56 @@ class SwapPlan:
         return self.to_kind is not None and self.to_kind is not self.kind
 
 
+# The hash chain of each kind starts from its own seed: a page's name says what it holds.
+_SEEDS = {kind: hashlib.blake2b(f"apt-serve-ray/{kind.value}".encode(), digest_size=16).digest() for kind in CacheKind}
+
+
+TIER_OWNER = "<prefix-cache>"  # owns the tier's slots that hold demoted prefix pages
+
+
+class PrefixStats:
+    """Prefix cache lookups at admission, per kind: tokens asked for and tokens found (in memory or
+    brought back from the tier: ``tier_hits`` of them), pages demoted to the tier."""
+
+    def __init__(self) -> None:
+        self.queries = dict.fromkeys((k.value for k in CacheKind), 0)
+        self.hits = dict.fromkeys((k.value for k in CacheKind), 0)
+        self.tier_hits = dict.fromkeys((k.value for k in CacheKind), 0)
+        self.num_demoted = 0
+
+    def hit_rate(self) -> float:
+        queries = sum(self.queries.values())
+        return sum(self.hits.values()) / queries if queries else 0.0
+
+
 class CacheManager:
-    def __init__(self, pool: PagePool, layout: CacheLayout, swap: SwapSpace | None = None) -> None:
+    """``enable_prefix_caching``: a request's full pages are named by a hash chain over its tokens
+    once computed, and a new request (or one recomputed after preemption) starts from the longest
+    named prefix of its tokens in the kind it is admitted in (``attach_prefix``), computing only the
+    rest. Shared pages are full and never written: a request writes from the page after its hit on.
+
+    Demote, don't drop: with a tier below memory, a cached page evicted during a scheduling decision
+    keeps its content there (one slot, ``TIER_OWNER``'s), named as before, until the tier needs the slot
+    (least recently used first; a preempted request's pages always win over it). A request whose prefix
+    continues there gets fresh pages that the step fills from the slots before it runs (a restore: a
+    ``SwapPlan`` in the step's swap-ins), at the cost of a copy instead of a prefill. The copies go
+    with the decision's other transfers (``take_tier_plans``): demotions with the swap-outs, restores
+    with the swap-ins; slots written or read this step are not reused before it has run."""
+
+    def __init__(self, pool: PagePool, layout: CacheLayout, swap: SwapSpace | None = None,
+                 enable_prefix_caching: bool = False) -> None:
         self.pool = pool
         self.layout = layout
         self.swap = swap  # the tier below memory; None: preempted requests are recomputed
+        self.prefix_caching = enable_prefix_caching
+        self.prefix_stats = PrefixStats()
+        self._tier: OrderedDict[bytes, int] = OrderedDict()  # name -> slot of a demoted page, LRU first
+        self._tier_pinned: set[int] = set()  # slots written or read this step
+        self._demotions: list[tuple[int, int]] = []  # (page, slot) to copy this step
+        self._restores: dict[str, SwapPlan] = {}  # request id -> its restore this step
+        self._in_decision = False
+        if enable_prefix_caching and swap is not None:
+            pool.on_evict = self._demote
         # Hidden pages of upgraded requests stay owned until the runner has read them this step:
         # otherwise another upgrade in the same step could receive them as KV pages and overwrite
         # them before they are read.
@@ -102,13 +150,201 @@ class CacheManager:
 
     def free(self, request: Request) -> None:
         """Return its pages and its swap slots (whichever it holds)."""
+        self._restores.pop(request.request_id, None)  # pages coming back this step: they hold nothing
         if request.page_ids:
-            self.pool.free(request.page_ids, request.request_id)
+            self.pool.free(request.page_ids[::-1], request.request_id)  # tail first: evicted first
         if request.swap_slots:
             self.swap.free(request.swap_slots, request.request_id)
         request.page_ids = []
         request.swap_slots = []
         request.kind = None
+        request.num_named_pages = 0
+
+    # Prefix caching -------------------------------------------------------------------------------
+    def block_hashes(self, request: Request, kind: CacheKind, num_blocks: int) -> list[bytes]:
+        """The names of ``request``'s first ``num_blocks`` full pages of ``kind``: each hashes its
+        parent's name and its tokens. Computed once per request and kind (its known tokens only grow);
+        the list returned may hold more names than asked for."""
+        chain = request.block_hashes.setdefault(kind, [])
+        if len(chain) < num_blocks:
+            tpp, tokens = self.layout.tokens_per_page(kind), request.all_token_ids
+            parent = chain[-1] if chain else _SEEDS[kind]
+            for i in range(len(chain), num_blocks):
+                parent = hashlib.blake2b(parent + array("q", tokens[i * tpp:(i + 1) * tpp]).tobytes(),
+                                         digest_size=16).digest()
+                chain.append(parent)
+        return chain
+
+    def find_prefix(self, request: Request, kind: CacheKind) -> tuple[list[int], list[int]]:
+        """Where the longest cached prefix of ``request``'s tokens in ``kind`` is: the pages holding its
+        first part in memory, and the tier's slots holding the pages that follow. At least one token is
+        left to compute (its logits sample the next token). Nothing is taken."""
+        tpp = self.layout.tokens_per_page(kind)
+        if not self.prefix_caching or tpp == 0 or not (self.pool.num_hashed_pages or self._tier):
+            return [], []
+        num_blocks = (request.num_tokens - 1) // tpp
+        if num_blocks <= 0:
+            return [], []
+        names = self.block_hashes(request, kind, num_blocks)[:num_blocks]
+        pages = self.pool.lookup(names)
+        slots = []
+        if self._tier:
+            for name in names[len(pages):]:
+                slot = self._tier.get(name)
+                if slot is None:
+                    break
+                slots.append(slot)
+        return pages, slots
+
+    def attach_prefix(self, request: Request, kind: CacheKind) -> int:
+        """``request``, holding nothing, takes the pages of its longest cached prefix in ``kind``: they
+        become its first pages and count as computed; pages of it in the tier come back into fresh
+        pages (during a scheduling decision, where free pages allow). Returns the tokens found (0:
+        nothing changed)."""
+        if request.page_ids or request.swap_slots or request.num_computed_tokens:
+            raise ValueError(f"request {request.request_id} already holds cache: no prefix to attach")
+        pages, slots = self.find_prefix(request, kind)
+        if not self._in_decision:
+            slots = []
+        if not pages and not slots:
+            return 0
+        self.pool.take(pages, request.request_id)  # first: allocating below may evict unreferenced pages
+        restored: list[int] = []
+        if slots:
+            pinned = set(slots) - self._tier_pinned  # not reused by a demotion the allocation makes
+            self._tier_pinned.update(pinned)
+            restored = self.pool.allocate(len(slots), kind, request.request_id) or []
+            if restored:
+                self._restores[request.request_id] = SwapPlan(request.request_id, restored, list(slots), kind)
+                names = self.block_hashes(request, kind, len(pages) + len(slots))[len(pages):len(pages) + len(slots)]
+                for name in names:
+                    self._tier.move_to_end(name)
+            else:
+                self._tier_pinned.difference_update(pinned)
+                slots = []
+        if not pages and not slots:
+            return 0
+        request.page_ids = list(pages) + restored
+        request.kind = request.last_kind = kind
+        request.num_named_pages = len(pages)  # the restored ones are named after the step has filled them
+        request.num_computed_tokens = len(request.page_ids) * self.layout.tokens_per_page(kind)
+        return request.num_computed_tokens
+
+    def detach_prefix(self, request: Request) -> None:
+        """Undo ``attach_prefix`` (its chunk did not get the rest of its pages)."""
+        self.free(request)
+        request.num_computed_tokens = 0
+
+    # The tier below memory, for prefixes -----------------------------------------------------------
+    def begin_decision(self) -> None:
+        self._in_decision = True
+
+    def abandon_decision(self) -> None:
+        """The decision failed before its output: its demotions will not be copied (forget them); its
+        restores' requests are recomputed by whoever handles the failure."""
+        outs, _ = self.take_tier_plans()
+        for plan in outs:
+            self.forget_tier_slots(plan.slots)
+
+    def take_tier_plans(self) -> tuple[list[SwapPlan], list[SwapPlan]]:
+        """End of a decision: the demotions (one plan, pages -> slots) and restores it made."""
+        self._in_decision = False
+        outs = []
+        if self._demotions:
+            pages, slots = zip(*self._demotions)
+            outs.append(SwapPlan(TIER_OWNER, list(pages), list(slots), CacheKind.KV))
+            self._demotions = []
+        restores, self._restores = list(self._restores.values()), {}
+        return outs, restores
+
+    def _demote(self, page: int, name: bytes, kind: CacheKind) -> None:
+        """The pool evicts a cached page: keep its content in the tier (during a decision only: the copy
+        runs with the step)."""
+        if not self._in_decision:
+            return
+        if name in self._tier:
+            self._tier.move_to_end(name)
+            return
+        slot = self._tier_slot()
+        if slot is None:
+            return
+        self._tier[name] = slot
+        self._tier_pinned.add(slot)
+        self._demotions.append((page, slot))
+        self.prefix_stats.num_demoted += 1
+
+    def _tier_slot(self) -> int | None:
+        """A slot for a demoted page: a free one, else the least recently used demoted page's."""
+        if self.swap.num_free_slots:
+            return self.swap.allocate(1, TIER_OWNER)[0]
+        for name, slot in self._tier.items():
+            if slot not in self._tier_pinned:
+                del self._tier[name]
+                return slot
+        return None
+
+    def _drop_tier(self, num: int) -> None:
+        """Give ``num`` slots of demoted pages back to the tier (least recently used first)."""
+        for name, slot in list(self._tier.items()):
+            if num <= 0:
+                return
+            if slot not in self._tier_pinned:
+                del self._tier[name]
+                self.swap.free([slot], TIER_OWNER)
+                num -= 1
+
+    @property
+    def num_tier_pages(self) -> int:
+        """Demoted prefix pages held in the tier."""
+        return len(self._tier)
+
+    @property
+    def num_free_slots(self) -> int:
+        """Slots a preempted request may take: the free ones and those demoted pages hold."""
+        if self.swap is None:
+            return 0
+        return self.swap.num_free_slots + len(self._tier) - len(self._tier_pinned & set(self._tier.values()))
+
+    def forget_tier_slots(self, slots) -> None:
+        """Their copies did not happen (the step failed): the names must not be found there."""
+        lost = set(slots)
+        for name, slot in list(self._tier.items()):
+            if slot in lost:
+                del self._tier[name]
+                self.swap.free([slot], TIER_OWNER)
+
+    def count_prefix_lookup(self, request: Request, num_hit: int) -> None:
+        """``request`` was admitted (in its kind) having found ``num_hit`` tokens (``attach_prefix``)."""
+        kind = request.kind.value
+        self.prefix_stats.queries[kind] += request.num_tokens
+        self.prefix_stats.hits[kind] += num_hit
+        plan = self._restores.get(request.request_id)
+        if plan is not None:
+            self.prefix_stats.tier_hits[kind] += len(plan.pages) * self.layout.tokens_per_page(request.kind)
+
+    def name_computed_pages(self, request: Request) -> None:
+        """After a step: name ``request``'s pages that are full of computed tokens, so that later
+        requests find them. Only pages the forward pass (or a same-kind copy back from the tier)
+        wrote: after a kind change in place the content is not what the chain names, and the request
+        names nothing more (``num_named_pages`` -1)."""
+        kind, done = request.kind, request.num_named_pages
+        if not self.prefix_caching or kind is None or done < 0:
+            return
+        tpp = self.layout.tokens_per_page(kind)
+        full = min(request.num_computed_tokens // tpp, len(request.page_ids)) if tpp else 0
+        if full <= done:
+            return
+        names, pages, register = self.block_hashes(request, kind, full), request.page_ids, self.pool.register
+        for i in range(done, full):
+            register(pages[i], names[i])
+        request.num_named_pages = full
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix nobody uses, in memory and in the tier (pages in use keep their
+        content and names). Returns how many pages were forgotten."""
+        num = len(self._tier)
+        self._drop_tier(num)
+        return num - len(self._tier) + self.pool.reset_prefix_cache()
 
     # The tier below memory ------------------------------------------------------------------------
     def num_swap_pages(self, request: Request) -> int:
@@ -117,18 +353,22 @@ class CacheManager:
 
     def can_swap_out(self, request: Request) -> bool:
         num = self.num_swap_pages(request)
-        return self.swap is not None and num > 0 and self.swap.can_allocate(num)
+        return self.swap is not None and 0 < num <= self.num_free_slots and request.request_id not in self._restores
 
     def swap_out(self, request: Request) -> SwapPlan | None:
         """Move the pages holding ``request``'s computed tokens to slots and free all its pages; it keeps
         ``num_computed_tokens`` and its kind. None (nothing changed) if the tier has too few free slots."""
         num = self.num_swap_pages(request)
+        if self.swap is not None and num > self.swap.num_free_slots:
+            self._drop_tier(num - self.swap.num_free_slots)  # a request's pages win over cached ones
         slots = self.swap.allocate(num, request.request_id) if self.swap is not None and num else None
         if slots is None:
             return None
         plan = SwapPlan(request.request_id, request.page_ids[:num], slots, request.kind)
-        self.pool.free(request.page_ids, request.request_id)  # pages beyond num: grown this step, empty
+        # Pages beyond num: grown this step, empty. Named ones stay findable (tail first, as in free).
+        self.pool.free(request.page_ids[::-1], request.request_id)
         request.page_ids = []
+        request.num_named_pages = 0
         request.swap_slots = slots
         request.num_swaps += 1
         return plan
@@ -156,13 +396,14 @@ class CacheManager:
         request.page_ids = pages
         request.swap_slots = []
         request.kind = request.last_kind = kind
+        request.num_named_pages = 0 if kind is from_kind else -1  # a byte copy holds what the chain names
         return plan
 
     def undo_swap_in(self, request: Request, plan: SwapPlan) -> None:
         """Preempted in the step that swapped it in: its bytes are still in the slots (released only
         after the step), so it goes back to them and no copy runs either way."""
         self._deferred_slots.remove((plan.slots, request.request_id))
-        self.pool.free(request.page_ids, request.request_id)
+        self.pool.free(request.page_ids[::-1], request.request_id)
         request.page_ids = []
         request.swap_slots = plan.slots
         request.kind = request.last_kind = plan.kind
@@ -187,36 +428,66 @@ class CacheManager:
             return None
         plan = ConversionPlan(request.request_id, request.num_computed_tokens, list(request.page_ids), pages,
                               request.kind, CacheKind.KV)
-        self._deferred.append((plan.src_pages, request.request_id))
+        self._deferred.append((plan.src_pages[::-1], request.request_id))
         request.kind = request.last_kind = CacheKind.KV
         request.page_ids = pages
+        request.num_named_pages = -1  # projected or dequantised: not what a forward pass writes
         request.num_upgrades += 1
         return plan
 
-    def compress(self, request: Request, kind: CacheKind) -> ConversionPlan:
+    def num_private_pages(self, request: Request) -> int:
+        """Its pages no other request references (what it frees by leaving, or compressing)."""
+        refs = self.pool.refs
+        return sum(1 for p in request.page_ids if refs(p) == 1)
+
+    def _compress_targets(self, request: Request, kind: CacheKind) -> tuple[list[int], int]:
+        """The pages of its own that a compression to ``kind`` writes, and how many more it needs."""
+        num = self.layout.num_pages_for(request.num_computed_tokens, kind)
+        refs = self.pool.refs
+        private = [p for p in request.page_ids if refs(p) == 1][:num]
+        return private, num - len(private)
+
+    def can_compress(self, request: Request, kind: CacheKind) -> bool:
+        """Whether ``compress`` would find the pages: its own, plus free ones where it shares pages."""
+        if request.kind is None or request.kind is kind or not can_convert(request.kind, kind):
+            return False
+        return self.pool.can_allocate(self._compress_targets(request, kind)[1])
+
+    def compress(self, request: Request, kind: CacheKind) -> ConversionPlan | None:
         """Switch a running request's pages to ``kind`` in place, quantising them (kv -> kv-int8,
-        hidden -> hidden-int8: ``can_convert``). It needs no free page: its tokens go into the first of
-        its own pages (the runner reads a layer's tokens before it writes that layer), and the rest come
+        hidden -> hidden-int8: ``can_convert``). Its tokens go into the first of the pages only it
+        references (the runner reads a layer's tokens before it writes that layer), and the rest come
         back after the step (``release_deferred``)::
 
             before   [p0 p1 p2 p3 p4 p5 p6]  kv, 16 tokens a page
             after    [p0 p1 p2 p3]           kv-int8, 30 tokens a page; p4-p6 freed after the step
+
+        Pages it shares (a cached prefix) are not rewritten: it drops its reference to them after the
+        step, and where its own pages are too few, it takes free ones. None (nothing changed) without them.
         """
         if request.kind is None or request.kind is kind or not can_convert(request.kind, kind):
             raise ValueError(f"kind: request {request.request_id}'s {getattr(request.kind, 'value', None)} "
                              f"pages cannot be compressed to {kind.value}")
         pages, rid = list(request.page_ids), request.request_id
-        num = self.layout.num_pages_for(request.num_computed_tokens, kind)
-        plan = ConversionPlan(rid, request.num_computed_tokens, pages, pages[:num], request.kind, kind)
-        self.pool.retag(plan.dst_pages, kind, rid)
-        if pages[num:]:
-            self._deferred.append((pages[num:], rid))
+        private, short = self._compress_targets(request, kind)
+        extra = self.pool.allocate(short, kind, rid) if short > 0 else []
+        if extra is None:
+            return None
+        dst = private + extra
+        plan = ConversionPlan(rid, request.num_computed_tokens, pages, dst, request.kind, kind)
+        self.pool.retag(private, kind, rid)  # they lose their names: their content changes
+        kept = set(private)
+        rest = [p for p in pages if p not in kept]
+        if rest:
+            self._deferred.append((rest[::-1], rid))
         request.kind = request.last_kind = kind
-        request.page_ids = pages[:num]
+        request.page_ids = dst
+        request.num_named_pages = -1
         request.num_compressions += 1
         return plan
 
     def release_deferred(self) -> None:
+        self._tier_pinned.clear()
         for pages, owner in self._deferred:
             self.pool.free(pages, owner)
         self._deferred.clear()
@@ -226,26 +497,41 @@ class CacheManager:
 
     def check_integrity(self, requests) -> None:
         """Both tiers, between steps: each allocator's own invariants, every page and slot of ``requests``
-        owned by it, a request in pages or in slots but not both, and nothing owned by anyone else."""
+        referenced by it (as often as the pool counts), a request in pages or in slots but not both,
+        shared pages named (only full, computed pages are shared), and nothing held by anyone else."""
         self.pool.check_integrity()
-        num_pages = num_slots = 0
+        num_slots = 0
+        held: dict[int, int] = {}
         for r in requests:
             if r.page_ids and r.swap_slots:
                 raise AssertionError(f"request {r.request_id} holds both pages and swap slots")
+            if len(set(r.page_ids)) != len(r.page_ids):
+                raise AssertionError(f"request {r.request_id} holds a page twice")
             for page in r.page_ids:
-                if self.pool.owner(page) != r.request_id:
-                    raise AssertionError(f"page {page} of {r.request_id} is owned by {self.pool.owner(page)!r}")
+                if r.request_id not in self.pool.owners(page):
+                    raise AssertionError(f"page {page} of {r.request_id} is owned by {self.pool.owners(page)!r}")
+                if self.pool.kind(page) is not r.kind:
+                    raise AssertionError(f"page {page} of {r.request_id} is {self.pool.kind(page)}, not {r.kind}")
+                held[page] = held.get(page, 0) + 1
             for slot in r.swap_slots:
                 if self.swap is None or self.swap.owner(slot) != r.request_id:
                     raise AssertionError(f"swap slot {slot} of {r.request_id} is not owned by it")
-            num_pages += len(r.page_ids)
             num_slots += len(r.swap_slots)
-        if num_pages != self.pool.num_used_pages:
-            raise AssertionError(f"{self.pool.num_used_pages - num_pages} pages used by no request (leaked)")
+        for page, count in held.items():
+            if self.pool.refs(page) != count:
+                raise AssertionError(f"page {page}: {self.pool.refs(page)} references, {count} requests hold it")
+            if count > 1 and not self.pool.is_named(page):
+                raise AssertionError(f"page {page} is shared by {count} requests but not named (not full)")
+        if len(held) != self.pool.num_used_pages:
+            raise AssertionError(f"{self.pool.num_used_pages - len(held)} pages used by no request (leaked)")
         if self.swap is not None:
             self.swap.check_integrity()
-            if num_slots != self.swap.num_used_slots:
-                raise AssertionError(f"{self.swap.num_used_slots - num_slots} swap slots used by no request (leaked)")
+            tier = list(self._tier.values())
+            if len(set(tier)) != len(tier) or any(self.swap.owner(slot) != TIER_OWNER for slot in tier):
+                raise AssertionError("a demoted page's slot is shared, or not the prefix cache's")
+            if num_slots + len(tier) != self.swap.num_used_slots:
+                raise AssertionError(f"{self.swap.num_used_slots - num_slots - len(tier)} swap slots used by no "
+                                     f"request and no demoted page (leaked)")
 
     def num_cached_tokens(self, requests) -> dict[str, int]:
         tokens = dict.fromkeys((k.value for k in CacheKind), 0)

@@ -1,13 +1,26 @@
-"""One pool of fixed-size pages shared by every cache kind.
+"""One pool of fixed-size pages shared by every cache kind, with prefix caching.
 
-The pool knows nothing about models or policy: it hands out page ids from one free list, records
-which request owns each page and of which kind it is, and says "no" (returns ``None``) when there
-are not enough free pages. Whom to preempt is the scheduler's decision, never the pool's.
+The pool knows nothing about models or policy: it hands out page ids, counts who references each
+page and of which kind it is, and says "no" (returns ``None``) when there are not enough free pages.
+Whom to preempt is the scheduler's decision, never the pool's.
+
+A page is in one of three states::
+
+    free        on the free list: no reference, no content anyone can find
+    referenced  held by one or more requests (``refs`` > 0); shared pages are full and never written
+    cached      no reference, but named by a hash (``register``) and findable (``lookup``): it counts
+                as free capacity and is evicted, least recently released first, when the free list
+                runs dry
+
+A full page's name is a hash chain over its tokens (``CacheManager`` computes it; the kind is part
+of it), so a request whose prompt starts with the same tokens can take the page instead of computing
+it again. Requests release their pages tail first, so a chain's last pages are evicted before its
+head, which other requests are likelier to share.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 
 from apt_serve_ray.request import CacheKind
 
@@ -18,71 +31,226 @@ class PagePool:
             raise ValueError(f"num_pages: must be >= 1, got {num_pages}")
         self.num_pages = num_pages
         self._free: deque[int] = deque(range(num_pages))
-        self._owner: list[str | None] = [None] * num_pages
+        self._refs: list[int] = [0] * num_pages
+        self._owners: list[dict[str, int] | None] = [None] * num_pages  # owner -> references it holds
         self._kind: list[CacheKind | None] = [None] * num_pages
-        self._num_used = dict.fromkeys(CacheKind, 0)
+        self._num_used = dict.fromkeys(CacheKind, 0)  # referenced pages by kind
+        self._hash: list[bytes | None] = [None] * num_pages
+        self._by_hash: dict[bytes, int] = {}
+        self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced named pages, LRU first
+        self._num_cached = dict.fromkeys(CacheKind, 0)  # those by kind
+        self.num_evictions = 0
+        # Told of every cached page evicted (page, its name, its kind) before it is given out: the cache
+        # manager may keep its content in the tier below memory (``CacheManager``: demote, don't drop).
+        self.on_evict = None
 
     @property
     def num_free_pages(self) -> int:
-        return len(self._free)
+        """Pages a request may be given now: the free list and the cached pages nobody references."""
+        return len(self._free) + len(self._cached)
 
     @property
     def num_used_pages(self) -> int:
-        return self.num_pages - len(self._free)
+        return self.num_pages - self.num_free_pages
+
+    @property
+    def num_cached_free_pages(self) -> int:
+        """Unreferenced pages kept for a later hit (part of ``num_free_pages``)."""
+        return len(self._cached)
+
+    @property
+    def num_hashed_pages(self) -> int:
+        """Pages findable by ``lookup``, referenced or not."""
+        return len(self._by_hash)
 
     def num_used(self, kind: CacheKind) -> int:
         return self._num_used[kind]
 
+    def num_cached(self, kind: CacheKind) -> int:
+        """Unreferenced cached pages of ``kind``."""
+        return self._num_cached[kind]
+
     def owner(self, page: int) -> str | None:
-        return self._owner[page]
+        """One owner of ``page`` (None if nobody references it); ``owners`` for all of them."""
+        owners = self._owners[page]
+        return next(iter(owners)) if owners else None
+
+    def owners(self, page: int) -> dict[str, int]:
+        return dict(self._owners[page] or {})
+
+    def refs(self, page: int) -> int:
+        return self._refs[page]
+
+    def kind(self, page: int) -> CacheKind | None:
+        return self._kind[page]
 
     def usage(self) -> float:
         return self.num_used_pages / self.num_pages
 
     def can_allocate(self, num: int) -> bool:
-        return num <= len(self._free)
+        return num <= self.num_free_pages
 
     def allocate(self, num: int, kind: CacheKind, owner: str) -> list[int] | None:
+        """``num`` fresh pages (free ones first, then the least recently released cached ones, which
+        lose their name)."""
         if num < 0:
             raise ValueError(f"num: must be >= 0, got {num}")
-        if num > len(self._free):
+        if num > self.num_free_pages:
             return None
-        pages = [self._free.popleft() for _ in range(num)]
-        for page in pages:
-            self._owner[page] = owner
+        pages = []
+        for _ in range(num):
+            if self._free:
+                page = self._free.popleft()
+            else:
+                page, _ = self._cached.popitem(last=False)
+                self._num_cached[self._kind[page]] -= 1
+                if self.on_evict is not None:
+                    self.on_evict(page, self._hash[page], self._kind[page])
+                self._forget(page)
+                self.num_evictions += 1
+            self._refs[page] = 1
+            self._owners[page] = {owner: 1}
             self._kind[page] = kind
+            pages.append(page)
         self._num_used[kind] += num
         return pages
 
-    def retag(self, pages: list[int], kind: CacheKind, owner: str) -> None:
-        """Owned pages change kind (a request compressed in place keeps some of its pages)."""
+    def take(self, pages: list[int], owner: str) -> None:
+        """``owner`` references named pages it found (``lookup``): a prefix cache hit."""
         for page in pages:
-            if self._owner[page] != owner:
-                raise RuntimeError(f"page {page} is owned by {self._owner[page]!r}, not {owner!r}")
+            if self._hash[page] is None:
+                raise RuntimeError(f"page {page} is not a cached page")
+            if self._refs[page] == 0:
+                del self._cached[page]
+                self._num_cached[self._kind[page]] -= 1
+                self._num_used[self._kind[page]] += 1
+                self._owners[page] = {}
+            self._refs[page] += 1
+            owners = self._owners[page]
+            owners[owner] = owners.get(owner, 0) + 1
+
+    def retag(self, pages: list[int], kind: CacheKind, owner: str) -> None:
+        """Pages only ``owner`` references change kind (a request compressed in place rewrites them):
+        they lose their name, their content changes."""
+        for page in pages:
+            self._check_owner(page, owner)
+            if self._refs[page] != 1:
+                raise RuntimeError(f"page {page} is shared ({self._refs[page]} references): it cannot be rewritten")
+            self._forget(page)
             self._num_used[self._kind[page]] -= 1
             self._kind[page] = kind
             self._num_used[kind] += 1
 
     def free(self, pages: list[int], owner: str) -> None:
+        """``owner`` drops one reference to each page. A page nobody references any more goes back to
+        the free list, or, if it is named, stays findable as a cached page (most recently released
+        last: pass a request's pages tail first)."""
         for page in pages:
-            if self._owner[page] != owner:
-                raise RuntimeError(f"page {page} is owned by {self._owner[page]!r}, not {owner!r}")
+            self._check_owner(page, owner)
+            owners = self._owners[page]
+            if owners[owner] == 1:
+                del owners[owner]
+            else:
+                owners[owner] -= 1
+            self._refs[page] -= 1
+            if self._refs[page]:
+                continue
             self._num_used[self._kind[page]] -= 1
-            self._owner[page] = None
+            self._owners[page] = None
+            if self._hash[page] is not None:
+                self._cached[page] = None
+                self._num_cached[self._kind[page]] += 1
+            else:
+                self._kind[page] = None
+                self._free.append(page)
+
+    def _check_owner(self, page: int, owner: str) -> None:
+        owners = self._owners[page]
+        if not owners or owner not in owners:
+            raise RuntimeError(f"page {page} is owned by {sorted(owners or ())!r}, not {owner!r}")
+
+    # Names ----------------------------------------------------------------------------------------
+    def register(self, page: int, block_hash: bytes) -> bool:
+        """Name a referenced, full page by ``block_hash`` so later requests can find it. False (and
+        nothing changes) if another page already has that name or this page has one."""
+        if self._refs[page] == 0:
+            raise RuntimeError(f"page {page} is not referenced: only a request's own pages are named")
+        if block_hash in self._by_hash or self._hash[page] is not None:
+            return False
+        self._hash[page] = block_hash
+        self._by_hash[block_hash] = page
+        return True
+
+    def lookup(self, block_hashes) -> list[int]:
+        """The pages named by the longest prefix of ``block_hashes`` found."""
+        pages = []
+        get = self._by_hash.get
+        for block_hash in block_hashes:
+            page = get(block_hash)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def uncache(self, page: int) -> None:
+        """``page`` loses its name (its content is about to change); unreferenced, it becomes free."""
+        if self._hash[page] is None:
+            return
+        self._forget(page)
+        if self._refs[page] == 0:
+            del self._cached[page]
+            self._num_cached[self._kind[page]] -= 1
             self._kind[page] = None
             self._free.append(page)
 
+    def is_named(self, page: int) -> bool:
+        return self._hash[page] is not None
+
+    def _forget(self, page: int) -> None:
+        block_hash = self._hash[page]
+        if block_hash is not None:
+            del self._by_hash[block_hash]
+            self._hash[page] = None
+
+    def reset_prefix_cache(self) -> int:
+        """Forget the cached pages nobody references (they become free). Pages in use keep their
+        names until released. Returns how many were forgotten."""
+        pages = list(self._cached)
+        for page in pages:
+            self.uncache(page)
+        return len(pages)
+
     def check_integrity(self) -> None:
-        """free + used == total, no page free twice, no free page owned, per-kind counts consistent."""
+        """Every page in exactly one state; counters, owners and names consistent."""
         free = set(self._free)
         if len(free) != len(self._free):
             raise AssertionError("a page is on the free list twice")
-        owned = [p for p in range(self.num_pages) if self._owner[p] is not None]
-        if len(free) + len(owned) != self.num_pages:
-            raise AssertionError(f"free {len(free)} + used {len(owned)} != total {self.num_pages}")
-        if free & set(owned):
-            raise AssertionError("a page is both free and owned")
+        cached = set(self._cached)
+        referenced = {p for p in range(self.num_pages) if self._refs[p] > 0}
+        if free & cached or free & referenced or cached & referenced:
+            raise AssertionError("a page is in two states (free / cached / referenced)")
+        if len(free) + len(cached) + len(referenced) != self.num_pages:
+            raise AssertionError(f"free {len(free)} + cached {len(cached)} + referenced {len(referenced)} "
+                                 f"!= total {self.num_pages}")
+        for page in range(self.num_pages):
+            owners, refs = self._owners[page], self._refs[page]
+            if refs < 0 or (refs > 0) != bool(owners) or (owners and sum(owners.values()) != refs):
+                raise AssertionError(f"page {page}: {refs} references, owners {owners!r}")
+        for page in free:
+            if self._kind[page] is not None or self._hash[page] is not None:
+                raise AssertionError(f"free page {page} keeps a kind or a name")
+        for page in cached:
+            if self._hash[page] is None or self._kind[page] is None:
+                raise AssertionError(f"cached page {page} has no name or no kind")
+        if len(self._by_hash) != sum(h is not None for h in self._hash):
+            raise AssertionError("names and named pages disagree")
+        for block_hash, page in self._by_hash.items():
+            if self._hash[page] != block_hash:
+                raise AssertionError(f"page {page} is found under a name it does not have")
         for kind in CacheKind:
-            counted = sum(1 for p in owned if self._kind[p] is kind)
+            counted = sum(1 for p in referenced if self._kind[p] is kind)
             if counted != self._num_used[kind]:
-                raise AssertionError(f"{kind.value} pages: counter {self._num_used[kind]} != owned {counted}")
+                raise AssertionError(f"{kind.value} pages: counter {self._num_used[kind]} != referenced {counted}")
+            counted = sum(1 for p in cached if self._kind[p] is kind)
+            if counted != self._num_cached[kind]:
+                raise AssertionError(f"cached {kind.value} pages: counter {self._num_cached[kind]} != {counted}")

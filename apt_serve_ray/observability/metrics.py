@@ -90,6 +90,17 @@ class EngineMetrics(EngineObserver):
         self.compressed = b.gauge("apt_serve_compressed_share",
                                   "Measured share of compressed pages (hidden, kv-int8, hidden-int8) among used pages", t)
         self.usage = b.gauge("apt_serve_cache_usage", "Share of pages in use", t)
+        self.prefix_queries = b.counter("apt_serve_prefix_cache_queries_total",
+                                        "Tokens looked up in the prefix cache at admission, by the kind admitted in",
+                                        t + ("kind",))
+        self.prefix_hits = b.counter("apt_serve_prefix_cache_hits_total",
+                                     "Tokens found in the prefix cache at admission (not computed), by kind", t + ("kind",))
+        self.cached_pages = b.gauge("apt_serve_prefix_cached_pages",
+                                    "Pages kept for prefix hits that no request holds (free capacity), by kind",
+                                    t + ("kind",))
+        self.prompt_cached = b.counter("apt_serve_prompt_cached_tokens_total",
+                                       "Prompt tokens of finished requests served from the prefix cache", r)
+        self._prefix_seen: dict[str, tuple[int, int]] = {}
         self.sched = b.histogram("apt_serve_scheduler_seconds", "Scheduler time per iteration", FAST_BUCKETS, t)
         self.step = b.histogram("apt_serve_step_seconds", "Engine step time (schedule + forward + postprocess)",
                                 LATENCY_BUCKETS, t)
@@ -116,6 +127,8 @@ class EngineMetrics(EngineObserver):
                     hist.observe(rec[key], tags)
             for gap in rec["gaps_s"]:
                 self.gap.observe(gap, tags)
+            if request.num_cached_tokens:
+                self.prompt_cached.inc(request.num_cached_tokens, tags)
             if rec["outcome"] in ("stop", "length"):
                 result = "met" if rec["met_ttft"] and rec["met_tbt"] else "missed_ttft" if not rec["met_ttft"] else "missed_tbt"
                 self.slo.inc(1, self._request_tags(request, result=result))
@@ -132,5 +145,16 @@ class EngineMetrics(EngineObserver):
         self.share.set(cache.hidden_share, tags)
         self.compressed.set(cache.compressed_share, tags)
         self.usage.set(cache.usage, tags)
+        for kind, num in (getattr(cache, "cached_pages_by_kind", None) or {}).items():
+            self.cached_pages.set(num, self._tags(kind=kind))
+        hits = getattr(cache, "prefix_hit_tokens", None) or {}
+        for kind, queried in (getattr(cache, "prefix_query_tokens", None) or {}).items():  # cumulative: add what is new
+            hit = hits.get(kind, 0)
+            seen_q, seen_h = self._prefix_seen.get(kind, (0, 0))
+            if queried > seen_q:
+                self.prefix_queries.inc(queried - seen_q, self._tags(kind=kind))
+            if hit > seen_h:
+                self.prefix_hits.inc(hit - seen_h, self._tags(kind=kind))
+            self._prefix_seen[kind] = (queried, hit)
         self.sched.observe(stats.schedule_s, tags)
         self.step.observe(stats.total_s, tags)

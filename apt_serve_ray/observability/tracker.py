@@ -37,6 +37,9 @@ class CacheTracker(EngineObserver):
             "kv-int8": (c.pages_by_kind or {}).get("kv-int8", 0),
             "hidden-int8": (c.pages_by_kind or {}).get("hidden-int8", 0), "free": c.num_free_pages,
             "swapped": c.num_used_swap_slots, "swap_slots": c.num_swap_slots,
+            "cached": c.num_cached_pages,  # kept for prefix hits, held by no request (part of free)
+            "tier_cached": c.num_tier_cached_pages,  # demoted to the tier below memory
+            "prefix_hit_rate": round(c.prefix_hit_rate, 4),
             "compressed_share": c.compressed_share,
             "num_pages": c.num_pages, "usage": c.usage, "cache_ratio": c.cache_ratio, "hidden_share": c.hidden_share,
             "admit": c.admission_open, "running": c.num_running, "waiting": c.num_waiting,

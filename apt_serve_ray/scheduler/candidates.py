@@ -35,6 +35,7 @@ KIND_CODE = {kind: code for code, kind in enumerate(KINDS)}
 NO_PAGES = -1  # ``held`` of a request holding no pages (waiting)
 _HELD_CODE = {**KIND_CODE, None: NO_PAGES}
 _NEVER_FITS = np.iinfo(np.int64).max // 4  # pages of a kind whose page cannot hold one token
+PREFIX_LOOKUPS = 256  # waiting requests (from the queue's head) whose cached prefix is looked up
 
 
 def _read_columns(requests: list[Request]) -> np.ndarray:
@@ -91,7 +92,7 @@ class Candidates:
     held: np.ndarray  # the kind of the pages held now, as its index in KINDS (NO_PAGES for waiting)
     mem_held: np.ndarray  # pages each needs in the kind it holds now (or its copy in the tier; else KV)
     is_decoding: np.ndarray  # running, has a token, one token left to compute
-    num_computed: np.ndarray
+    num_computed: np.ndarray  # waiting: what a copy in the tier, or the prefix cache (in KV), holds
     arrival: np.ndarray
     pending_s: np.ndarray  # since the last token (since arrival before the first)
     missed: np.ndarray  # can no longer meet its SLO
@@ -190,6 +191,16 @@ class Candidates:
                 copy[rows] = [_HELD_CODE[waiting[i].kind] for i in swapped.tolist()]
                 num_computed[rows] = [waiting[i].num_computed_tokens for i in swapped.tolist()]
                 mem_held[rows] = mem[copy[rows], rows]
+        if waiting and ctx.cache.prefix_caching and ctx.cache.pool.num_hashed_pages:
+            # What the prefix cache holds of the first waiting requests (in KV, the kind they start
+            # in): computed already, and pages other requests use cost no free page. Further back the
+            # queue they are charged in full (the lookup is a Python call per request).
+            for i, r in enumerate(waiting[:PREFIX_LOOKUPS]):
+                tokens, shared = ctx.prefix_hit(r, CacheKind.KV)
+                if tokens and (copy is None or copy[n_run + i] < 0):
+                    num_computed[n_run + i] = tokens
+                    mem[0, n_run + i] -= shared
+                    mem_held[n_run + i] = mem[0, n_run + i]
         is_decoding = np.zeros(n, dtype=bool)
         is_decoding[:n_run] = ~np.isnan(first[:n_run]) & (num_tokens[:n_run] - num_computed[:n_run] == 1)
 

@@ -118,8 +118,12 @@ class Scheduler:
     def schedule(self, now: float | None = None) -> SchedulerOutput:
         start = time.perf_counter()
         ctx = SchedulingContext(self, time.monotonic() if now is None else now)
+        self.cache.begin_decision()
         try:
             self.policy.schedule(ctx)
+        except BaseException:
+            self.cache.abandon_decision()
+            raise
         finally:
             ctx.drop_admitted_from_waiting()
         out = ctx.output()
@@ -149,6 +153,7 @@ class SchedulingContext:
         self._swap_outs = []
         self._swap_ins = {}  # request id -> its SwapPlan, this step
         self.planned_extra_s = 0.0  # what the policy priced kind changes and transfers at (seconds)
+        self._prefix_found: dict[tuple[int, CacheKind], tuple[int, int]] = {}  # prefix_hit, this decision
 
     # Read-only views
     @property
@@ -193,9 +198,9 @@ class SchedulingContext:
 
     @property
     def num_free_swap_slots(self) -> int:
-        """Free slots in the tier below memory (0 without one)."""
-        swap = self._s.cache.swap
-        return swap.num_free_slots if swap is not None else 0
+        """Slots in the tier below memory a preempted request may take (0 without one): the free ones
+        and those holding demoted prefix pages."""
+        return self._s.cache.num_free_slots
 
     def would_swap(self, request: Request) -> bool:
         """Whether preempting the running ``request`` now would keep its pages in the tier (else it
@@ -225,6 +230,28 @@ class SchedulingContext:
     def is_swapping_in(self, request: Request) -> bool:
         """Whether ``request``'s pages come back from the tier below memory this step."""
         return request.request_id in self._swap_ins
+
+    def prefix_hit(self, request: Request, kind: CacheKind | None = None) -> tuple[int, int]:
+        """What ``request`` (holding nothing) would find in the prefix cache in ``kind`` (by default the
+        kind it would be given) if admitted now: the tokens it would not compute, and how many of the
+        pages holding them other requests use (those cost no free page). (0, 0) for a request holding
+        pages or a copy in the tier, and without prefix caching."""
+        cache = self._s.cache
+        if not cache.prefix_caching or request.page_ids or request.swap_slots:
+            return 0, 0
+        kind = kind or request.kind or self.default_kind()
+        key = (id(request), kind)
+        found = self._prefix_found.get(key)
+        if found is None:
+            pages, slots = cache.find_prefix(request, kind)  # slots: pages that come back from the tier
+            refs = cache.pool.refs
+            found = self._prefix_found[key] = ((len(pages) + len(slots)) * cache.layout.tokens_per_page(kind),
+                                               sum(1 for p in pages if refs(p) > 0))
+        return found
+
+    def tokens_to_compute(self, request: Request, kind: CacheKind | None = None) -> int:
+        """``request.num_tokens_to_compute``, less what it would find in the prefix cache (``prefix_hit``)."""
+        return request.num_tokens_to_compute - self.prefix_hit(request, kind)[0]
 
     def can_admit(self, request: Request) -> bool:
         """New requests wait while admission is closed; ones admitted before (preempted) may resume."""
@@ -266,13 +293,26 @@ class SchedulingContext:
                 raise ValueError(f"kind: the {kind.value} cache kind is disabled for this model")
         elif kind is not None and kind is not request.kind:
             raise ValueError(f"kind: request {request_id} already holds {request.kind.value} pages")
+        hit = 0
         if swapped:  # back from the tier (converted to ``kind`` if asked): the copy runs before the step
             plan = cache.swap_in(request, num_computed + num_tokens, kind)
             if plan is None:
                 return False
             self._swap_ins[request_id] = plan
-        elif not cache.allocate(request, num_computed + num_tokens, kind):
-            return False
+        else:
+            if request.kind is None and cache.prefix_caching:  # holds nothing: start from a cached prefix
+                hit = cache.attach_prefix(request, kind)
+                if hit:
+                    num_computed = hit
+                    num_tokens = min(num_tokens, request.num_tokens - hit)
+            if not cache.allocate(request, num_computed + num_tokens, kind):
+                if hit:
+                    cache.detach_prefix(request)
+                return False
+            if cache.prefix_caching and request.status is RequestStatus.WAITING:
+                cache.count_prefix_lookup(request, hit)
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = min(hit, request.num_prompt_tokens)
         if request.status is RequestStatus.WAITING:
             self._admitted.add(id(request))
             self._s.running.append(request)
@@ -338,10 +378,12 @@ class SchedulingContext:
 
     def can_compress(self, request: Request, kind: CacheKind) -> bool:
         """Whether ``request`` (running, holding pages, not yet scheduled this step) can be compressed
-        to ``kind`` in place now: the kind is offered and its pages convert to it."""
+        to ``kind`` in place now: the kind is offered, its pages convert to it, and where it shares
+        pages (a cached prefix, not rewritten) the pool has the free ones it needs instead."""
         return (kind in self.compressed_kinds and request.kind is not None and request.kind is not kind
                 and can_convert(request.kind, kind) and bool(request.page_ids) and not self.is_scheduled(request)
-                and not any(p.request_id == request.request_id for p in self._conversions))
+                and not any(p.request_id == request.request_id for p in self._conversions)
+                and self._s.cache.can_compress(request, kind))
 
     def compress(self, request: Request, kind: CacheKind) -> bool:
         """KV -> kv-int8 (hidden -> hidden-int8) in place for a running request, before it is scheduled
@@ -349,7 +391,10 @@ class SchedulingContext:
         the next step). False (nothing changed) where ``can_compress`` says no."""
         if not self.can_compress(request, kind):
             return False
-        self._conversions.append(self.cache.compress(request, kind))
+        plan = self.cache.compress(request, kind)
+        if plan is None:
+            return False
+        self._conversions.append(plan)
         return True
 
     def drop_admitted_from_waiting(self) -> None:
@@ -368,7 +413,10 @@ class SchedulingContext:
         self._readmitted = False
 
     def output(self) -> SchedulerOutput:
+        """The decision. Ends it: the cache's demotions of prefix pages join the swap-outs, and its
+        restores of prefix pages from the tier the swap-ins."""
+        demotions, restores = self._s.cache.take_tier_plans()
         return SchedulerOutput(list(self._chunks.values()), list(self._conversions), list(self._preempted),
-                               preempt_causes=list(self._causes), swap_out=list(self._swap_outs),
-                               swap_in=list(self._swap_ins.values()), preempt_swapped=list(self._swapped),
+                               preempt_causes=list(self._causes), swap_out=list(self._swap_outs) + demotions,
+                               swap_in=list(self._swap_ins.values()) + restores, preempt_swapped=list(self._swapped),
                                planned_extra_s=self.planned_extra_s)

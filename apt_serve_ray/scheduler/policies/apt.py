@@ -223,8 +223,12 @@ class AdaptiveScheduler(KindChanger, IterationShaper, SchedulingPolicy):
         allowed = np.zeros((rest.size, len(kinds)), dtype=bool)
         allowed[:, 0] = True
         is_waiting = rest >= n_run
+        # A waiting request that found its prefix cached in KV keeps KV: in another kind it would
+        # compute that prefix again (each kind caches its own pages), to save few pages (those are shared).
+        fresh = is_waiting & ~(c.copy[rest] >= 0 if c.copy is not None else False)
+        kv_hit = fresh & (c.num_computed[rest] > 0)
         for j, k in enumerate(kinds[1:], 1):
-            allowed[:, j] = (held == k) | (is_waiting if k in offered else False)
+            allowed[:, j] = (held == k) | ((is_waiting & ~kv_hit) if k in offered else False)
         values = value[rest, None] - kind_weight[rest, None] * self._per_page[kinds][None, :]
         if c.copy is not None:
             self._price_recompute(c, rest, kinds, values, allowed)

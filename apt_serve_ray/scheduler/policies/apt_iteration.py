@@ -150,6 +150,9 @@ class IterationShaper:
             if r.is_finished or ctx.is_scheduled(r):
                 continue
             start, left = r.num_computed_tokens, r.num_tokens_to_compute
+            if r.kind is None:  # holds nothing: it starts after what the prefix cache holds in its kind
+                start = ctx.prefix_hit(r, KINDS[max(int(plan.kind[i]), 0)])[0]
+                left -= start
             # The kind it runs in: what it holds, or (new, or back from the tier) what the plan chose.
             hidden = bool(c.held[i] == hidden_code) if i < n_run and r.page_ids else plan.kind[i] == hidden_code
             swap_in_s = len(r.swap_slots) * transfer.in_s_per_page if (r.swap_slots and transfer) else 0.0
@@ -204,12 +207,12 @@ class IterationShaper:
                 continue
             if r.status is RequestStatus.WAITING and (i < n_run or not ctx.can_admit(r)):
                 continue  # preempted during this decision, or admission closed
-            n = min(r.num_tokens_to_compute, budget, ctx.token_budget)
-            if n <= 0:
-                continue
             kind = None
             if r.kind is None or r.swap_slots:  # new, or back from the tier: the chosen kind (KV where none)
                 kind = KINDS[kinds[i]] if kinds[i] > 0 else CacheKind.KV
+            n = min(ctx.tokens_to_compute(r, kind), budget, ctx.token_budget)
+            if n <= 0:
+                continue
             while not ctx.schedule(r, n, kind):
                 victim = self._next_victim(requests, victims, r, None if i < n_run else evictable)
                 if victim is None or ctx.cache.can_allocate(r, r.num_computed_tokens + n, kind):
@@ -217,7 +220,7 @@ class IterationShaper:
                 victims.remove(victim)
                 ctx.preempt(requests[victim], cause="policy" if i >= n_run else "memory")
             else:
-                budget -= n
+                budget -= ctx.scheduled_tokens(r)
 
     @staticmethod
     def _next_victim(requests, victims: list[int], r, evictable: set[int] | None) -> int | None:

@@ -62,7 +62,8 @@ class KindChanger:
             k = targets[int(held[r])]
             request = c.requests[r]
             num = lay.num_pages_for(request.num_computed_tokens, KINDS[k])
-            gain = int(c.num_held[r]) - num
+            # Pages it shares (a cached prefix) stay with the others: only its own come free.
+            gain = ctx.cache.num_private_pages(request) - num
             cost = float(self._per_page[k] * c.mem_kv[r])
             now_s = self.costs.conversion_seconds(KINDS[int(held[r])], KINDS[k], request.num_computed_tokens)
             if gain <= 0 or num > room or cost > headroom or not plan.budget.fits(now_s):

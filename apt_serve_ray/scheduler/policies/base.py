@@ -59,12 +59,13 @@ def admit_waiting(ctx, order: Iterable[Request], chunked: bool, kind_for=None) -
     for request in list(order):
         if request.status is not RequestStatus.WAITING or not ctx.can_admit(request):
             continue
-        n = request.num_tokens_to_compute
+        kind = kind_for(request) if kind_for else None
+        n = ctx.tokens_to_compute(request, kind)  # less what the prefix cache holds
         if chunked:
             n = min(n, ctx.token_budget)
         if n <= 0 or n > ctx.token_budget:
             break
-        if not ctx.schedule(request, n, kind_for(request) if kind_for else None):
+        if not ctx.schedule(request, n, kind):
             break
         admitted += 1
     return admitted
