@@ -190,7 +190,8 @@ class EngineReplica:
             if engine_ttft_s is not None:  # as the engine saw it, for overhead studies
                 e2e = (m.finish_time or m.last_token_time) - m.arrival_time
             item = dataclasses.replace(item, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                       num_output_tokens=len(c.token_ids), error=out.error, engine_e2e_s=e2e)
+                                       num_output_tokens=len(c.token_ids), error=out.error, engine_e2e_s=e2e,
+                                       num_cached_tokens=getattr(out, "num_cached_tokens", None))
         return item
 
     # Control --------------------------------------------------------------------------------------

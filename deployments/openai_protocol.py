@@ -77,6 +77,9 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM extension
+    # vLLM extension: the choice carries ``token_ids`` (generated; per chunk when streaming) and
+    # ``prompt_token_ids`` (in the response, or the first chunk), e.g. to re-send a conversation as ids.
+    return_token_ids: bool | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict | None = None
@@ -228,9 +231,14 @@ def parse_request(cls: type[_SamplingFields], raw: bytes | dict) -> _SamplingFie
 
 
 # Responses -----------------------------------------------------------------------------------------
-def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
-    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
-            "total_tokens": num_prompt_tokens + num_completion_tokens}
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int | None = None) -> dict:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens`` (prompt tokens served from the
+    prefix cache, as OpenAI and vLLM report them) where the engine said."""
+    out = {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+           "total_tokens": num_prompt_tokens + num_completion_tokens}
+    if num_cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": num_cached_tokens}
+    return out
 
 
 def finish_reason(engine_reason: str | None) -> str | None:
@@ -239,22 +247,24 @@ def finish_reason(engine_reason: str | None) -> str | None:
 
 
 def completion(request_id: str, model: str, text: str, reason: str | None, usage_: dict, *,
-               chat: bool, created: int | None = None) -> dict:
+               chat: bool, created: int | None = None, token_ids: dict | None = None) -> dict:
+    """``token_ids``: {"prompt_token_ids", "token_ids"} for the choice (``return_token_ids``)."""
     created = created or int(time.time())
     if chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": reason}
+                  "finish_reason": reason, **(token_ids or {})}
         return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
                 "choices": [choice], "usage": usage_}
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason, **(token_ids or {})}
     return {"id": request_id, "object": "text_completion", "created": created, "model": model,
             "choices": [choice], "usage": usage_}
 
 
 def chunk(request_id: str, model: str, created: int, *, chat: bool, text: str | None = None,
           reason: str | None = None, role: bool = False, usage_: dict | None = None,
-          include_usage: bool = False) -> dict:
-    """One streamed event. ``text=None`` with ``usage_`` set is the usage-only final chunk."""
+          include_usage: bool = False, token_ids: dict | None = None) -> dict:
+    """One streamed event. ``text=None`` with ``usage_`` set is the usage-only final chunk.
+    ``token_ids``: fields for the choice (``return_token_ids``)."""
     if chat:
         obj = "chat.completion.chunk"
         if usage_ is not None and text is None:
@@ -267,6 +277,8 @@ def chunk(request_id: str, model: str, created: int, *, chat: bool, text: str | 
         obj = "text_completion"
         choices = [] if (usage_ is not None and text is None) else [
             {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}]
+    if token_ids and choices:
+        choices[0].update(token_ids)
     out = {"id": request_id, "object": obj, "created": created, "model": model, "choices": choices}
     if include_usage:
         out["usage"] = usage_

@@ -40,6 +40,9 @@ class EngineRequest:
     tbt_slo_ms: float | None = None
     trace_context: dict[str, str] | None = None
     service_class: str | None = None
+    # The conversation it belongs to (the ``x-session-id`` header, else the body's ``user``): the
+    # request router keeps a session on the replica that holds its history. The engine never sees it.
+    session_id: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.sampling, SamplingParams):
@@ -82,6 +85,7 @@ class StreamItem:
     num_output_tokens: int | None = None
     error: str | None = None
     engine_e2e_s: float | None = None
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache
 
     @property
     def is_final(self) -> bool:

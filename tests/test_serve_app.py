@@ -121,6 +121,37 @@ def test_streaming_matches_non_streaming_and_reports_usage(client, app):
     assert all(c["usage"] is None for c in chunks[:-1])
 
 
+def test_return_token_ids_gives_the_prompt_and_generated_ids_as_vllm_does(client, app):
+    prompt = list(range(100, 140))
+    body = {"model": app, "prompt": prompt, "max_tokens": 9, "ignore_eos": True, "return_token_ids": True}
+    full = client.post("/v1/completions", json=body).json()
+    choice = full["choices"][0]
+    assert choice["prompt_token_ids"] == prompt and len(choice["token_ids"]) == 9
+    assert full["usage"]["prompt_tokens_details"]["cached_tokens"] in range(0, 40, 16)
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        chunks = sse_payloads(r)[:-1]
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == prompt
+    assert all("prompt_token_ids" not in c["choices"][0] for c in chunks[1:])
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == choice["token_ids"]
+    plain = client.post("/v1/completions", json={**body, "return_token_ids": False}).json()["choices"][0]
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain
+
+
+def test_a_next_turn_goes_where_its_history_is_cached_and_says_how_much_was(client, app):
+    history = list(range(1000, 1200))  # 12 full pages and 8 tokens
+    body = {"model": app, "max_tokens": 8, "ignore_eos": True, "return_token_ids": True}
+    first = client.post("/v1/completions", json={**body, "prompt": history})
+    reply = first.json()["choices"][0]["token_ids"]
+    second = client.post("/v1/completions", json={**body, "prompt": history + reply + [5, 6, 7]})
+    assert second.headers["x-replica-id"] == first.headers["x-replica-id"]  # the router's prefix affinity
+    # 207 tokens computed (the last reply token is sampled, never fed): 12 full pages named.
+    assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 192
+    # A conversation named by its session sticks to one replica whatever its prompts.
+    homes = {client.post("/v1/completions", json={**body, "prompt": [i] * 20},
+                         headers={"x-session-id": "s-1"}).headers["x-replica-id"] for i in range(2, 6)}
+    assert len(homes) == 1
+
+
 def test_sampling_fields_a_request_leaves_out_come_from_the_models_generation_config(client, app):
     greedy = completion(client, app, max_tokens=12, temperature=0, ignore_eos=True).json()["choices"][0]["text"]
     unset = [completion(client, app, max_tokens=12, ignore_eos=True, seed=i).json()["choices"][0]["text"]
@@ -140,7 +171,8 @@ def test_stop_string_and_token_id_prompt(client, app):
     assert cut["choices"][0]["text"] == text[: text.index(stop)]
     ids = client.post("/v1/completions", json={"model": app, "prompt": [10, 20, 30, 40], "max_tokens": 5,
                                                "ignore_eos": True}).json()
-    assert ids["usage"] == {"prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9}
+    assert ids["usage"] == {"prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9,
+                            "prompt_tokens_details": {"cached_tokens": 0}}  # not a full page
 
 
 def test_chat_streaming_and_not(client, app):
