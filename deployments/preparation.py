@@ -65,7 +65,7 @@ class RequestPreparer:
         self.service_classes = service_classes or ServiceClasses()
 
     def prepare(self, raw: bytes | dict, chat: bool, limits: ModelLimits, received: float,
-                service_class_header: str | None = None) -> Prepared:
+                service_class_header: str | None = None, session_header: str | None = None) -> Prepared:
         body = oai.parse_request(oai.ChatCompletionRequest if chat else oai.CompletionRequest, raw)
         if body.model != self.served_model_name:
             raise oai.APIError(f"model: the model `{body.model}` does not exist; this server serves "
@@ -85,7 +85,8 @@ class RequestPreparer:
             raise oai.from_value_error(exc) from None
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         scheduling = self.service_classes.scheduling(service_class, body.scheduling_kwargs())
-        request = EngineRequest(prompt_ids, params, request_id, service_class=service_class, **scheduling)
+        request = EngineRequest(prompt_ids, params, request_id, service_class=service_class,
+                                session_id=session_header or body.user, **scheduling)
         ttft_s = request.ttft_slo_ms / 1000.0 if request.ttft_slo_ms else self.default_ttft_slo_s
         ticket = Ticket(request_pages(request, limits.tokens_per_page, self.horizon), ttft_s, request.priority or 0)
         return Prepared(body, chat, request_id, request, ticket, received=received)

@@ -23,6 +23,14 @@ replica is its own rank, so Serve takes our first choice unless that replica's q
 Calls that are not ``generate`` (control, load) are left to Serve's usual choice, except that a call
 with a ``replica_id`` keyword goes to that replica only (debug reads such as ``memory_timeline``, and
 ``generate`` calls pinned by tests and load tools).
+
+Prefix affinity (``prefix_affinity.py``): the router remembers the prompt pages it sent to each replica
+and the conversation (``session_id``) each replica serves. A request's pages that a replica probably
+holds cost it no free page there; and the request goes to the replica of its session, or else to the one
+holding the longest prefix of its prompt (at least ``MIN_MATCH_SHARE`` of its pages), when that replica
+is in the first group above (fits, not pressured) and its load after placement is within
+``affinity_slack`` of the least loaded one's: reuse wins over balance only while balance costs little
+(Ray Serve LLM's prefix-aware router applies the same rule with queue lengths).
 """
 
 from __future__ import annotations
@@ -34,10 +42,13 @@ from typing import List, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from deployments.prefix_affinity import PrefixIndex
 from deployments.wire import EngineRequest, LoadReport
 
 IN_TRANSIT_S = 0.05  # a request routed this long before a snapshot may not have reached the replica yet
 OUTPUT_HORIZON_TOKENS = 256  # default: output tokens a request is assumed to reach (max_tokens caps it)
+AFFINITY_SLACK = 0.25  # load after placement a replica holding the prefix may exceed the least loaded's by
+MIN_MATCH_SHARE = 0.1  # of a prompt's pages: a shorter match does not pull a request off the least loaded
 
 
 def request_pages(request: EngineRequest, tokens_per_page: int, horizon: int) -> int:
@@ -48,10 +59,12 @@ def request_pages(request: EngineRequest, tokens_per_page: int, horizon: int) ->
 
 class FitAwareRequestRouter(RequestRouter):
     def initialize_state(self, output_horizon_tokens: int = OUTPUT_HORIZON_TOKENS,
-                         default_tokens_per_page: int = 16) -> None:
+                         default_tokens_per_page: int = 16, affinity_slack: float = AFFINITY_SLACK) -> None:
         self.horizon = output_horizon_tokens
         self.default_tokens_per_page = default_tokens_per_page
+        self.affinity_slack = affinity_slack
         self.routed: dict[ReplicaID, dict[str, tuple[float, int]]] = {}  # replica -> {request: (at, pages)}
+        self.prefixes = PrefixIndex(default_tokens_per_page)
 
     async def choose_replicas(
         self, candidate_replicas: List[RunningReplica], pending_request: Optional[PendingRequest] = None,
@@ -64,16 +77,42 @@ class FitAwareRequestRouter(RequestRouter):
             pending_request.routing_context.should_backoff = True  # no busy loop when every queue is full
         if request is None or not candidate_replicas:
             return [candidate_replicas]
-        ranked = sorted(candidate_replicas, key=lambda r: self.rank_key(r, request))
+        hashes = self.prefixes.block_hashes(request.prompt)
+        matched = {r.replica_id: self.prefixes.match(r.replica_id, hashes) for r in candidate_replicas}
+        keys = {r.replica_id: self.rank_key(r, request, matched[r.replica_id]) for r in candidate_replicas}
+        ranked = sorted(candidate_replicas, key=lambda r: keys[r.replica_id])
+        pick = self._affinity(ranked, keys, matched, len(hashes), request.session_id)
+        if pick is not None:
+            ranked.remove(pick)
+            ranked.insert(0, pick)
         self._record(pending_request, ranked[0].replica_id, request)
+        self.prefixes.record(ranked[0].replica_id, hashes, request.session_id)
         return [[r] for r in ranked]
 
-    def rank_key(self, replica: RunningReplica, request: EngineRequest) -> tuple:
+    def _affinity(self, ranked: list[RunningReplica], keys: dict, matched: dict, num_blocks: int,
+                  session: str | None) -> RunningReplica | None:
+        """The replica of the request's session, else the one holding the longest prefix of it, if it
+        is in the best group and loaded at most ``affinity_slack`` more than the first (see above)."""
+        best = keys[ranked[0].replica_id]
+        home = self.prefixes.session_replica(session)
+        candidates = [r for r in ranked if r.replica_id == home] if home is not None else []
+        if not candidates and num_blocks:
+            longest = max(matched.values())
+            if longest >= max(1, MIN_MATCH_SHARE * num_blocks):
+                candidates = [r for r in ranked if matched[r.replica_id] == longest]
+        for r in candidates:
+            key = keys[r.replica_id]
+            if key[0] == best[0] and key[1] <= best[1] + self.affinity_slack:
+                return r
+        return None
+
+    def rank_key(self, replica: RunningReplica, request: EngineRequest, cached_pages: int = 0) -> tuple:
+        """``cached_pages``: pages of its prompt the replica probably holds already (no free page needed)."""
         stats = _load_report(replica)
         queue_len = self.replica_queue_len_cache.get(replica.replica_id)
         if stats is None:  # no snapshot yet (a new replica): neither preferred nor avoided
             return (0, 0.5, queue_len or 0, random.random())
-        need = request_pages(request, stats.tokens_per_kv_page, self.horizon)
+        need = max(0, request_pages(request, stats.tokens_per_kv_page, self.horizon) - cached_pages)
         since = self._routed_since(replica.replica_id, stats.time - IN_TRANSIT_S)
         free = stats.num_free_pages - stats.num_pending_pages - sum(since)
         if need > free:
@@ -107,6 +146,7 @@ class FitAwareRequestRouter(RequestRouter):
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         self.routed.pop(replica_id, None)
+        self.prefixes.forget(replica_id)
         super().on_replica_actor_died(replica_id)
 
 

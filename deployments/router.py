@@ -58,6 +58,8 @@ from deployments.streaming import coalesced
 from deployments.controller_link import ControllerLink
 from deployments.wire import EngineRequest, InvalidRequest, StreamItem
 
+SESSION_HEADER = "x-session-id"  # a conversation's id: its requests stick to one replica (else the body's user)
+
 logger = logging.getLogger("ray.serve")
 
 
@@ -191,7 +193,7 @@ class Router:
         try:
             self._refuse_if_saturated()
             body = await read_body(request, self.options.max_request_body_bytes)
-            prepared = await self.prepare(body, chat, request.headers.get(HEADER))
+            prepared = await self.prepare(body, chat, request.headers.get(HEADER), request.headers.get(SESSION_HEADER))
             items = self._generate(prepared)
             first = await anext(items)
         except oai.APIError as exc:
@@ -246,10 +248,12 @@ class Router:
         return finished_spans()
 
     # Preparation ----------------------------------------------------------------------------------
-    async def prepare(self, raw: bytes | dict, chat: bool, service_class_header: str | None = None) -> Prepared:
+    async def prepare(self, raw: bytes | dict, chat: bool, service_class_header: str | None = None,
+                      session_header: str | None = None) -> Prepared:
         received = time.monotonic()
         try:
-            return self.preparer.prepare(raw, chat, await self.model_limits(), received, service_class_header)
+            return self.preparer.prepare(raw, chat, await self.model_limits(), received, service_class_header,
+                                         session_header)
         except oai.APIError:
             self.metrics.outcome("invalid")
             raise

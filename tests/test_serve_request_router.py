@@ -36,12 +36,17 @@ def stats(free: int, *, pages: int = 128, running: int = 0, waiting: int = 0, pe
                        tokens_per_kv_page=16, is_pressured=pressured).to_dict()
 
 
-def engine_request(num_prompt_tokens: int, max_tokens: int | None = 16, rid: str = "r") -> EngineRequest:
-    return EngineRequest([1] * num_prompt_tokens, SamplingParams(max_tokens=max_tokens), rid)
+def engine_request(num_prompt_tokens: int, max_tokens: int | None = 16, rid: str = "r",
+                   prompt: list[int] | None = None, session: str | None = None) -> EngineRequest:
+    """A prompt of its own (its first token from its id: no prefix shared by accident) unless given."""
+    if prompt is None:
+        prompt = [1000 + sum(map(ord, rid)) * 31 + len(rid)] + [1] * (num_prompt_tokens - 1)
+    return EngineRequest(prompt, SamplingParams(max_tokens=max_tokens), rid, session_id=session)
 
 
-def pending(num_prompt_tokens: int, max_tokens: int = 16, method: str = "generate", rid: str = "r") -> PendingRequest:
-    request = engine_request(num_prompt_tokens, max_tokens, rid)
+def pending(num_prompt_tokens: int, max_tokens: int = 16, method: str = "generate", rid: str = "r",
+            prompt: list[int] | None = None, session: str | None = None) -> PendingRequest:
+    request = engine_request(num_prompt_tokens, max_tokens, rid, prompt, session)
     return PendingRequest(args=[request], kwargs={}, metadata=RequestMetadata(
         request_id=rid, internal_request_id=rid, call_method=method))
 
@@ -134,3 +139,51 @@ async def test_other_calls_and_unknown_replicas_are_left_to_serve():
     text = PendingRequest(args=[EngineRequest("not tokenised", SamplingParams())], kwargs={}, metadata=RequestMetadata(
         request_id="t", internal_request_id="t", call_method="generate"))
     assert await router.choose_replicas([a, b], text) == [[a, b]]  # its size is unknown
+
+
+# Prefix affinity ----------------------------------------------------------------------------------
+SYSTEM = list(range(100, 420))  # a 320-token system prompt: 20 pages
+
+
+@pytest.mark.asyncio
+async def test_a_shared_prefix_follows_the_replica_that_holds_it_while_loads_are_close():
+    a, b = FakeReplica("a", stats(free=100)), FakeReplica("b", stats(free=110))
+    router = make_router(a, b)
+    assert (await choose(router, [a, b], pending(0, rid="first", prompt=SYSTEM + [7, 8])))[0] == "b"
+    # b is now the more loaded in the ledger, but holds the system prompt: the next user goes there too.
+    assert (await choose(router, [a, b], pending(0, rid="second", prompt=SYSTEM + [9] * 30)))[0] == "b"
+    # A prompt of its own goes to the least loaded.
+    assert (await choose(router, [a, b], pending(40, rid="other")))[0] == "a"
+
+
+@pytest.mark.asyncio
+async def test_affinity_gives_way_when_the_replica_holding_the_prefix_is_much_busier():
+    a, b = FakeReplica("a", stats(free=120)), FakeReplica("b", stats(free=30))
+    router = make_router(a, b)
+    router.prefixes.record(b.replica_id, router.prefixes.block_hashes(SYSTEM))
+    # b holds the prefix, but would be 0.8 used after placement against a's 0.1: a takes it.
+    assert (await choose(router, [a, b], pending(0, rid="x", prompt=SYSTEM + [5] * 40)))[0] == "a"
+
+
+@pytest.mark.asyncio
+async def test_pages_a_replica_holds_cost_no_free_pages_there():
+    a, b = FakeReplica("a", stats(free=8)), FakeReplica("b", stats(free=30))
+    router = make_router(a, b)
+    router.prefixes.record(a.replica_id, router.prefixes.block_hashes(SYSTEM))
+    # 27 pages with the output: only b has them free, but a holds 20 of them: it fits there too.
+    key_a = router.rank_key(a, engine_request(0, prompt=SYSTEM + [5] * 80), cached_pages=20)
+    key_b = router.rank_key(b, engine_request(0, prompt=SYSTEM + [5] * 80))
+    assert key_a[0] == key_b[0] == 0
+
+
+@pytest.mark.asyncio
+async def test_a_conversation_sticks_to_its_replica():
+    a, b = FakeReplica("a", stats(free=100)), FakeReplica("b", stats(free=110))
+    router = make_router(a, b)
+    first = (await choose(router, [a, b], pending(30, rid="t1", session="alice")))[0]
+    later = [(await choose(router, [a, b], pending(30, rid=f"t{i}", session="alice")))[0] for i in range(2, 5)]
+    assert later == [first] * 3
+    router.on_replica_actor_died(ReplicaID(first, DEPLOYMENT))  # its replica went away: the session moves
+    other = "a" if first == "b" else "b"
+    remaining = [r for r in (a, b) if r.name == other]
+    assert (await choose(router, remaining, pending(30, rid="t9", session="alice")))[0] == other
