@@ -278,3 +278,25 @@ def test_shaped_traces_are_deterministic_and_keep_make_traces_lengths():
 def test_bad_shapes_name_the_field(make, field):
     with pytest.raises(ValueError, match=field):
         make()
+
+
+# Conversations (issue 27) ---------------------------------------------------------------------------
+def test_sessions_share_system_prompts_and_documents_and_fit_the_context():
+    from apt_serve_ray.bench.conversations import CHAT, DOCUMENT, ConversationSpec, make_sessions, shared_token_share
+
+    spec = ConversationSpec(num_sessions=60, max_model_len=1500)
+    sessions = make_sessions(spec, rate=0.5, seed=3)
+    again = make_sessions(spec, rate=2.0, seed=3)
+    assert [s.messages for s in sessions] == [s.messages for s in again]  # the rate re-times, nothing else
+    assert sessions[-1].start_s > again[-1].start_s
+    chats = [s for s in sessions if s.service is CHAT]
+    docs = [s for s in sessions if s.service is DOCUMENT]
+    assert chats and docs and len({id(s.prefix) for s in chats}) <= spec.num_groups
+    assert all(len(d.messages) == 1 and not d.think_s for d in docs)
+    for s in chats:
+        total = len(s.prefix) + sum(len(m) + o for m, o in zip(s.messages, s.output_lens))
+        assert total < spec.max_model_len or s.num_turns == 1
+        assert len(s.think_s) == s.num_turns - 1 and s.num_turns <= spec.turns.high
+    assert 0.5 < shared_token_share(sessions) < 1.0
+    with pytest.raises(ValueError, match="chat_share"):
+        make_sessions(ConversationSpec(chat_share=1.5), 1.0)
