@@ -103,19 +103,24 @@ def _generate(path, prompts, *, waves=True, **kw):
               swap_space=0, **kw)
     engine = llm.llm_engine
     outputs, cached = [], []
-    groups = [[p] for p in prompts] if waves else [prompts]
-    for group in groups:
-        requests = [engine.add_request(p, GREEDY) for p in group]
-        done = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-            engine.check_integrity()
-        for r in requests:
-            outputs.append(done[r.request_id].outputs[0].token_ids)
-            cached.append(done[r.request_id].num_cached_tokens)
+    for group in ([p] for p in prompts) if waves else [prompts]:
+        for out in _drain(engine, group, GREEDY):
+            outputs.append(out.outputs[0].token_ids)
+            cached.append(out.num_cached_tokens)
     return outputs, cached, engine
+
+
+def _drain(engine, prompts, params):
+    """Add ``prompts`` and step until every request has finished, checking integrity after each step;
+    their final outputs, in order."""
+    requests = [engine.add_request(p, params) for p in prompts]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        engine.check_integrity()
+    return [done[r.request_id] for r in requests]
 
 
 def _conversation(seed=0, system_len=70):
@@ -260,16 +265,7 @@ def test_an_evicted_prefix_waits_in_the_tier_and_comes_back_byte_for_byte(opt_ti
 
     def run(**extra):
         engine = LLM(opt_tiny, **kw, **extra).llm_engine
-        outs = []
-        for group in ([history], fillers, [history + [5, 6, 7]]):
-            requests = [engine.add_request(p, sp) for p in group]
-            done = {}
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished:
-                        done[out.request_id] = out
-                engine.check_integrity()
-            outs += [done[r.request_id] for r in requests]
+        outs = [out for group in ([history], fillers, [history + [5, 6, 7]]) for out in _drain(engine, group, sp)]
         return outs, engine
 
     with_tier, engine = run(swap_space=0.01)
