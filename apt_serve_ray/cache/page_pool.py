@@ -1,8 +1,9 @@
 """One pool of fixed-size pages shared by every cache kind, with prefix caching.
 
-The pool knows nothing about models or policy: it hands out page ids, counts who references each
-page and of which kind it is, and says "no" (returns ``None``) when there are not enough free pages.
-Whom to preempt is the scheduler's decision, never the pool's.
+The pool knows nothing about models or policy: it hands out page ids (from the slot allocator the
+swap tier also stands on, ``slots.py``), counts who references each page and of which kind it is,
+and says "no" (returns ``None``) when there are not enough free pages. Whom to preempt is the
+scheduler's decision, never the pool's.
 
 A page is in one of three states::
 
@@ -20,8 +21,9 @@ head, which other requests are likelier to share.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 
+from apt_serve_ray.cache.slots import SlotAllocator
 from apt_serve_ray.request import CacheKind
 
 
@@ -30,9 +32,7 @@ class PagePool:
         if num_pages < 1:
             raise ValueError(f"num_pages: must be >= 1, got {num_pages}")
         self.num_pages = num_pages
-        self._free: deque[int] = deque(range(num_pages))
-        self._refs: list[int] = [0] * num_pages
-        self._owners: list[dict[str, int] | None] = [None] * num_pages  # owner -> references it holds
+        self._slots = SlotAllocator(num_pages, what="page")  # free list, references, owners
         self._kind: list[CacheKind | None] = [None] * num_pages
         self._num_used = dict.fromkeys(CacheKind, 0)  # referenced pages by kind
         self._hash: list[bytes | None] = [None] * num_pages
@@ -47,7 +47,7 @@ class PagePool:
     @property
     def num_free_pages(self) -> int:
         """Pages a request may be given now: the free list and the cached pages nobody references."""
-        return len(self._free) + len(self._cached)
+        return self._slots.num_free + len(self._cached)
 
     @property
     def num_used_pages(self) -> int:
@@ -72,14 +72,13 @@ class PagePool:
 
     def owner(self, page: int) -> str | None:
         """One owner of ``page`` (None if nobody references it); ``owners`` for all of them."""
-        owners = self._owners[page]
-        return next(iter(owners)) if owners else None
+        return self._slots.owner(page)
 
     def owners(self, page: int) -> dict[str, int]:
-        return dict(self._owners[page] or {})
+        return self._slots.owners(page)
 
     def refs(self, page: int) -> int:
-        return self._refs[page]
+        return self._slots.refs(page)
 
     def kind(self, page: int) -> CacheKind | None:
         return self._kind[page]
@@ -97,21 +96,19 @@ class PagePool:
             raise ValueError(f"num: must be >= 0, got {num}")
         if num > self.num_free_pages:
             return None
-        pages = []
-        for _ in range(num):
-            if self._free:
-                page = self._free.popleft()
-            else:
-                page, _ = self._cached.popitem(last=False)
-                self._num_cached[self._kind[page]] -= 1
-                if self.on_evict is not None:
-                    self.on_evict(page, self._hash[page], self._kind[page])
-                self._forget(page)
-                self.num_evictions += 1
-            self._refs[page] = 1
-            self._owners[page] = {owner: 1}
-            self._kind[page] = kind
+        from_free = min(num, self._slots.num_free)
+        pages = self._slots.allocate(from_free, owner)
+        for _ in range(num - from_free):
+            page, _ = self._cached.popitem(last=False)
+            self._num_cached[self._kind[page]] -= 1
+            if self.on_evict is not None:
+                self.on_evict(page, self._hash[page], self._kind[page])
+            self._forget(page)
+            self.num_evictions += 1
+            self._slots.claim(page, owner)
             pages.append(page)
+        for page in pages:
+            self._kind[page] = kind
         self._num_used[kind] += num
         return pages
 
@@ -120,22 +117,20 @@ class PagePool:
         for page in pages:
             if self._hash[page] is None:
                 raise RuntimeError(f"page {page} is not a cached page")
-            if self._refs[page] == 0:
+            if self._slots.refs(page) == 0:
                 del self._cached[page]
                 self._num_cached[self._kind[page]] -= 1
                 self._num_used[self._kind[page]] += 1
-                self._owners[page] = {}
-            self._refs[page] += 1
-            owners = self._owners[page]
-            owners[owner] = owners.get(owner, 0) + 1
+            self._slots.add_ref(page, owner)
 
     def retag(self, pages: list[int], kind: CacheKind, owner: str) -> None:
         """Pages only ``owner`` references change kind (a request compressed in place rewrites them):
         they lose their name, their content changes."""
         for page in pages:
-            self._check_owner(page, owner)
-            if self._refs[page] != 1:
-                raise RuntimeError(f"page {page} is shared ({self._refs[page]} references): it cannot be rewritten")
+            if owner not in self._slots.owners(page):
+                raise RuntimeError(f"page {page} is owned by {self._slots.owner(page)!r}, not {owner!r}")
+            if self._slots.refs(page) != 1:
+                raise RuntimeError(f"page {page} is shared ({self._slots.refs(page)} references): it cannot be rewritten")
             self._forget(page)
             self._num_used[self._kind[page]] -= 1
             self._kind[page] = kind
@@ -146,34 +141,21 @@ class PagePool:
         the free list, or, if it is named, stays findable as a cached page (most recently released
         last: pass a request's pages tail first)."""
         for page in pages:
-            self._check_owner(page, owner)
-            owners = self._owners[page]
-            if owners[owner] == 1:
-                del owners[owner]
-            else:
-                owners[owner] -= 1
-            self._refs[page] -= 1
-            if self._refs[page]:
+            if not self._slots.release(page, owner):
                 continue
             self._num_used[self._kind[page]] -= 1
-            self._owners[page] = None
             if self._hash[page] is not None:
                 self._cached[page] = None
                 self._num_cached[self._kind[page]] += 1
             else:
                 self._kind[page] = None
-                self._free.append(page)
-
-    def _check_owner(self, page: int, owner: str) -> None:
-        owners = self._owners[page]
-        if not owners or owner not in owners:
-            raise RuntimeError(f"page {page} is owned by {sorted(owners or ())!r}, not {owner!r}")
+                self._slots.put_free(page)
 
     # Names ----------------------------------------------------------------------------------------
     def register(self, page: int, block_hash: bytes) -> bool:
         """Name a referenced, full page by ``block_hash`` so later requests can find it. False (and
         nothing changes) if another page already has that name or this page has one."""
-        if self._refs[page] == 0:
+        if self._slots.refs(page) == 0:
             raise RuntimeError(f"page {page} is not referenced: only a request's own pages are named")
         if block_hash in self._by_hash or self._hash[page] is not None:
             return False
@@ -197,11 +179,11 @@ class PagePool:
         if self._hash[page] is None:
             return
         self._forget(page)
-        if self._refs[page] == 0:
+        if self._slots.refs(page) == 0:
             del self._cached[page]
             self._num_cached[self._kind[page]] -= 1
             self._kind[page] = None
-            self._free.append(page)
+            self._slots.put_free(page)
 
     def is_named(self, page: int) -> bool:
         return self._hash[page] is not None
@@ -222,22 +204,12 @@ class PagePool:
 
     def check_integrity(self) -> None:
         """Every page in exactly one state; counters, owners and names consistent."""
-        free = set(self._free)
-        if len(free) != len(self._free):
-            raise AssertionError("a page is on the free list twice")
         cached = set(self._cached)
-        referenced = {p for p in range(self.num_pages) if self._refs[p] > 0}
-        if free & cached or free & referenced or cached & referenced:
-            raise AssertionError("a page is in two states (free / cached / referenced)")
-        if len(free) + len(cached) + len(referenced) != self.num_pages:
-            raise AssertionError(f"free {len(free)} + cached {len(cached)} + referenced {len(referenced)} "
-                                 f"!= total {self.num_pages}")
+        self._slots.check_integrity(aside=cached)
+        referenced = self._slots.held()
         for page in range(self.num_pages):
-            owners, refs = self._owners[page], self._refs[page]
-            if refs < 0 or (refs > 0) != bool(owners) or (owners and sum(owners.values()) != refs):
-                raise AssertionError(f"page {page}: {refs} references, owners {owners!r}")
-        for page in free:
-            if self._kind[page] is not None or self._hash[page] is not None:
+            if page not in referenced and page not in cached and (self._kind[page] is not None
+                                                                   or self._hash[page] is not None):
                 raise AssertionError(f"free page {page} keeps a kind or a name")
         for page in cached:
             if self._hash[page] is None or self._kind[page] is None:

@@ -12,8 +12,9 @@ nothing until slots are written) and unlinked as soon as it is mapped, so nothin
 whatever way the process ends. An unbacked tier (``device=None``) keeps only the bookkeeping: the
 simulator prices transfers without moving bytes.
 
-Like the page pool, the slot allocator knows no policy: it says "no" (``None``) when full, records
-owners, and ``check_integrity()`` holds free + used == total. Whether to swap is the scheduler's call.
+Its slots are given out by the allocator the page pool also stands on (``slots.py``): it says "no"
+(``None``) when full, records owners, and ``check_integrity()`` holds free + used == total. Whether
+to swap is the scheduler's call.
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ import os
 import shutil
 import tempfile
 import time
-from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from apt_serve_ray.cache.layout import CacheLayout
+from apt_serve_ray.cache.slots import SlotAllocator
 
 logger = logging.getLogger("apt_serve_ray")
 
@@ -105,8 +106,7 @@ class SwapSpace:
         # few the tier's working set needs, already written once. Cycling first-in-first-out through a
         # 4 GiB file made every swap-out write cold blocks (page faults, block allocation): a 90-page
         # swap-out of an fp32 OPT-125m request took ~0.3 s, 10x its measured (warm) cost.
-        self._free: deque[int] = deque(reversed(range(num_slots)))
-        self._owner: list[str | None] = [None] * num_slots
+        self._slots = SlotAllocator(num_slots, lifo=True, what="swap slot")
         self._data: torch.Tensor | None = None
         self._mmap: np.memmap | None = None
         if self.device is not None:
@@ -134,45 +134,27 @@ class SwapSpace:
     # Slots --------------------------------------------------------------------------------------
     @property
     def num_free_slots(self) -> int:
-        return len(self._free)
+        return self._slots.num_free
 
     @property
     def num_used_slots(self) -> int:
-        return self.num_slots - len(self._free)
+        return self.num_slots - self._slots.num_free
 
     def can_allocate(self, num: int) -> bool:
-        return num <= len(self._free)
+        return num <= self._slots.num_free
 
     def allocate(self, num: int, owner: str) -> list[int] | None:
-        if num < 0:
-            raise ValueError(f"num: must be >= 0, got {num}")
-        if num > len(self._free):
-            return None
-        slots = [self._free.pop() for _ in range(num)]
-        for slot in slots:
-            self._owner[slot] = owner
-        return slots
+        return self._slots.allocate(num, owner)
 
     def free(self, slots: list[int], owner: str) -> None:
-        for slot in slots:
-            if self._owner[slot] != owner:
-                raise RuntimeError(f"swap slot {slot} is owned by {self._owner[slot]!r}, not {owner!r}")
-            self._owner[slot] = None
-            self._free.append(slot)
+        self._slots.free(slots, owner)
 
     def owner(self, slot: int) -> str | None:
-        return self._owner[slot]
+        return self._slots.owner(slot)
 
     def check_integrity(self) -> None:
         """free + used == total, no slot free twice, no free slot owned."""
-        free = set(self._free)
-        if len(free) != len(self._free):
-            raise AssertionError("a swap slot is on the free list twice")
-        owned = {s for s in range(self.num_slots) if self._owner[s] is not None}
-        if free & owned:
-            raise AssertionError("a swap slot is both free and owned")
-        if len(free) + len(owned) != self.num_slots:
-            raise AssertionError(f"swap slots: free {len(free)} + used {len(owned)} != total {self.num_slots}")
+        self._slots.check_integrity()
 
     # Bytes --------------------------------------------------------------------------------------
     # Page by page: a contiguous copy per page and layer runs at memcpy speed (~10 GB/s on a CPU), where
