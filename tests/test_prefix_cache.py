@@ -63,10 +63,29 @@ def test_the_free_list_goes_first_then_the_least_recently_released_tail_pages():
     pool.check_integrity()
 
 
+def test_one_slot_allocator_under_both_tiers():
+    from apt_serve_ray.cache.slots import SlotAllocator
+    from apt_serve_ray.cache.swap import SwapSpace
+
+    pages, slots = SlotAllocator(4), SlotAllocator(4, lifo=True)
+    assert pages.allocate(2, "a") == [0, 1] and slots.allocate(2, "a") == [0, 1]
+    pages.free([0], "a")
+    slots.free([0], "a")
+    assert pages.allocate(3, "b") == [2, 3, 0]  # the pool: first freed, first reused
+    assert slots.allocate(1, "b") == [0]  # the tier: last freed, first reused
+    slots.add_ref(0, "c")
+    assert not slots.release(0, "b") and slots.owners(0) == {"c": 1} and slots.release(0, "c")
+    slots.put_free(0)
+    assert pages.allocate(1, "c") is None
+    pages.check_integrity()
+    slots.check_integrity()
+    assert isinstance(PagePool(2)._slots, SlotAllocator) and isinstance(SwapSpace(MHA_LAYOUT, 2)._slots, SlotAllocator)
+
+
 def test_integrity_catches_a_reference_count_out_of_step():
     pool = PagePool(3)
     pages = pool.allocate(2, CacheKind.KV, "a")
-    pool._refs[pages[0]] += 1
+    pool._slots._refs[pages[0]] += 1
     with pytest.raises(AssertionError, match="references"):
         pool.check_integrity()
 
@@ -278,3 +297,29 @@ def test_an_evicted_prefix_waits_in_the_tier_and_comes_back_byte_for_byte(opt_ti
     engine.cache.reset_prefix_cache()
     assert engine.cache.num_tier_pages == 0
     engine.check_integrity()
+
+
+def test_apt_sees_a_prefix_cached_in_a_compressed_kind_and_admits_in_that_kind():
+    from apt_serve_ray.scheduler.candidates import KIND_CODE, Candidates
+    from apt_serve_ray.scheduler.costs import StepCosts
+    from apt_serve_ray.scheduler.policies.apt import AdaptiveScheduler
+    from apt_serve_ray.scheduler.scheduler import SchedulingContext
+
+    config = EngineConfig(policy="sarathi", cache_kinds=["hidden"], cache_ratio=1.0, max_num_batched_tokens=512,
+                          swap_space=0)
+    sim = SimulatedEngine(config, num_pages=80)
+    history = list(range(100, 260))
+    sim.add(0, 4, prompt_token_ids=history)  # sarathi: new requests in the cheapest compressed kind
+    sim.run_until_idle()
+    assert sim.finished[0].last_kind is CacheKind.HIDDEN
+    nxt = sim.add(0, 4, prompt_token_ids=history + [7] * 20)
+    ctx = SchedulingContext(sim.scheduler, sim.now)
+    c = Candidates.gather(ctx)
+    assert c.hit_kind[0] == KIND_CODE[CacheKind.HIDDEN] and c.num_computed[0] == 160  # 5 pages of 32
+    policy = AdaptiveScheduler(config=config)
+    policy.set_costs(StepCosts(rho=1e-6))  # the hidden kind pays: apt offers it
+    sim.llm_engine.set_policy(policy)
+    sim.run_until_idle()
+    # Admitted in hidden with its 160 tokens found (apt may upgrade it to KV afterwards, memory allowing).
+    assert nxt.num_cached_tokens == 160 and (nxt.last_kind is CacheKind.HIDDEN or nxt.num_upgrades == 1)
+    sim.llm_engine.check_integrity()

@@ -146,10 +146,9 @@ def test_a_next_turn_goes_where_its_history_is_cached_and_says_how_much_was(clie
     assert second.headers["x-replica-id"] == first.headers["x-replica-id"]  # the router's prefix affinity
     # 207 tokens computed (the last reply token is sampled, never fed): 12 full pages named.
     assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 192
-    # A conversation named by its session sticks to one replica whatever its prompts.
-    homes = {client.post("/v1/completions", json={**body, "prompt": [i] * 20},
-                         headers={"x-session-id": "s-1"}).headers["x-replica-id"] for i in range(2, 6)}
-    assert len(homes) == 1
+    # A session header is accepted (where it sticks and where it gives way: test_serve_request_router.py).
+    r = client.post("/v1/completions", json={**body, "prompt": [3] * 20}, headers={"x-session-id": "s-1"})
+    assert r.status_code == 200
 
 
 def test_sampling_fields_a_request_leaves_out_come_from_the_models_generation_config(client, app):

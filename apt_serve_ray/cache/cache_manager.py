@@ -210,6 +210,7 @@ class CacheManager:
             return 0
         self.pool.take(pages, request.request_id)  # first: allocating below may evict unreferenced pages
         restored: list[int] = []
+        slots = slots[:self.pool.num_free_pages]  # as much of it as memory takes now (the rest is computed)
         if slots:
             pinned = set(slots) - self._tier_pinned  # not reused by a demotion the allocation makes
             self._tier_pinned.update(pinned)

@@ -103,6 +103,9 @@ class Candidates:
     # Waiting requests whose computed tokens wait in the tier below memory: the kind of that copy
     # (as in ``held``; NO_PAGES for the others). Their ``num_computed`` is what the copy holds.
     copy: np.ndarray | None = None
+    # Waiting requests that found a cached prefix: the kind that holds it, as in ``held`` (NO_PAGES:
+    # none, or not looked up); their ``num_computed`` is what it holds. None: no waiting request found one.
+    hit_kind: np.ndarray | None = None
 
     @property
     def num(self) -> int:
@@ -191,16 +194,26 @@ class Candidates:
                 copy[rows] = [_HELD_CODE[waiting[i].kind] for i in swapped.tolist()]
                 num_computed[rows] = [waiting[i].num_computed_tokens for i in swapped.tolist()]
                 mem_held[rows] = mem[copy[rows], rows]
-        if waiting and ctx.cache.prefix_caching and ctx.cache.pool.num_hashed_pages:
-            # What the prefix cache holds of the first waiting requests (in KV, the kind they start
-            # in): computed already, and pages other requests use cost no free page. Further back the
-            # queue they are charged in full (the lookup is a Python call per request).
+        hit_kind = None
+        if waiting and ctx.cache.prefix_caching:
+            # What the prefix cache holds of the first waiting requests, in the kind that holds the most
+            # of it (KV on ties; each kind caches its own pages): computed already, and pages other
+            # requests use cost no free page in that kind. Further back the queue they are charged in
+            # full (the lookup is a Python call per request).
+            kinds = [CacheKind.KV, *ctx.compressed_kinds]
             for i, r in enumerate(waiting[:PREFIX_LOOKUPS]):
-                tokens, shared = ctx.prefix_hit(r, CacheKind.KV)
-                if tokens and (copy is None or copy[n_run + i] < 0):
-                    num_computed[n_run + i] = tokens
-                    mem[0, n_run + i] -= shared
-                    mem_held[n_run + i] = mem[0, n_run + i]
+                row = n_run + i
+                if copy is not None and copy[row] >= 0:
+                    continue
+                tokens, shared, kind = max(((*ctx.prefix_hit(r, k), k) for k in kinds), key=lambda t: t[0])
+                if tokens:
+                    if hit_kind is None:
+                        hit_kind = np.full(n, NO_PAGES, dtype=np.int64)
+                    code = KIND_CODE[kind]
+                    hit_kind[row] = code
+                    num_computed[row] = tokens
+                    mem[code, row] -= shared
+                    mem_held[row] = mem[0, row]
         is_decoding = np.zeros(n, dtype=bool)
         is_decoding[:n_run] = ~np.isnan(first[:n_run]) & (num_tokens[:n_run] - num_computed[:n_run] == 1)
 
@@ -211,4 +224,4 @@ class Candidates:
         if with_importance:
             imp = importance(priority)
         return cls(requests, n_run, num_tokens, mem, num_held, held, mem_held, is_decoding, num_computed,
-                   arrival, pending_s, missed, tbt_ms, urg, imp, priority, copy)
+                   arrival, pending_s, missed, tbt_ms, urg, imp, priority, copy, hit_kind)

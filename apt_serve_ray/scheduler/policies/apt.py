@@ -81,7 +81,7 @@ from __future__ import annotations
 import numpy as np
 
 from apt_serve_ray.cache.cache_manager import can_convert
-from apt_serve_ray.scheduler.candidates import KIND_CODE, KINDS, Candidates, WaitingRows
+from apt_serve_ray.scheduler.candidates import KIND_CODE, KINDS, NO_PAGES, Candidates, WaitingRows
 from apt_serve_ray.scheduler.costs import StepCosts, recompute_seconds
 from apt_serve_ray.scheduler.knapsack import SKIP, greedy_choice
 from apt_serve_ray.scheduler.policies.apt_iteration import IterationShaper, Plan
@@ -223,12 +223,14 @@ class AdaptiveScheduler(KindChanger, IterationShaper, SchedulingPolicy):
         allowed = np.zeros((rest.size, len(kinds)), dtype=bool)
         allowed[:, 0] = True
         is_waiting = rest >= n_run
-        # A waiting request that found its prefix cached in KV keeps KV: in another kind it would
-        # compute that prefix again (each kind caches its own pages), to save few pages (those are shared).
-        fresh = is_waiting & ~(c.copy[rest] >= 0 if c.copy is not None else False)
-        kv_hit = fresh & (c.num_computed[rest] > 0)
+        # A waiting request that found its prefix cached in one kind is admitted in that kind: in
+        # another it would compute the prefix again (each kind caches its own pages), to save few pages.
+        # (Where its kind is compressed and the ceiling leaves no room now, KV stays open to it.)
+        hit = c.hit_kind[rest] if c.hit_kind is not None else np.full(rest.size, NO_PAGES)
         for j, k in enumerate(kinds[1:], 1):
-            allowed[:, j] = (held == k) | ((is_waiting & ~kv_hit) if k in offered else False)
+            allowed[:, j] = (held == k) | ((is_waiting & ((hit < 0) | (hit == k))) if k in offered else False)
+        if ctx.compressed_pages_left > 0:
+            allowed[:, 0] &= ~(is_waiting & (hit > 0) & np.isin(hit, [k for k in kinds[1:] if k in offered]))
         values = value[rest, None] - kind_weight[rest, None] * self._per_page[kinds][None, :]
         if c.copy is not None:
             self._price_recompute(c, rest, kinds, values, allowed)

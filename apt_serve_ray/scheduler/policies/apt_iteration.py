@@ -208,8 +208,11 @@ class IterationShaper:
             if r.status is RequestStatus.WAITING and (i < n_run or not ctx.can_admit(r)):
                 continue  # preempted during this decision, or admission closed
             kind = None
-            if r.kind is None or r.swap_slots:  # new, or back from the tier: the chosen kind (KV where none)
-                kind = KINDS[kinds[i]] if kinds[i] > 0 else CacheKind.KV
+            if r.kind is None or r.swap_slots:  # new, or back from the tier: the chosen kind, else the kind
+                kind = KINDS[kinds[i]] if kinds[i] > 0 else CacheKind.KV  # its cached prefix is in, else KV
+                if kinds[i] <= 0 and c.hit_kind is not None and c.hit_kind[i] > 0 \
+                        and KINDS[c.hit_kind[i]] in ctx.compressed_kinds:
+                    kind = KINDS[c.hit_kind[i]]
             n = min(ctx.tokens_to_compute(r, kind), budget, ctx.token_budget)
             if n <= 0:
                 continue
