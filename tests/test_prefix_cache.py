@@ -262,8 +262,9 @@ def test_randomised_arrivals_aborts_preemptions_swaps_and_compressions_keep_the_
     engine.check_integrity()
     pool, sched = engine.cache.pool, engine.scheduler
     assert pool.num_used_pages == 0 and pool.num_free_pages == pool.num_pages
-    # Measured at this seed: 19% of tokens found, 168 preemptions (81 into the tier), 425 compressions.
-    assert engine.cache.prefix_stats.hit_rate() > 0.1
+    # Measured at this seed: 28% of tokens found (1,482 of them brought back from the tier, 1,269 pages
+    # demoted there), 114 preemptions (71 into the tier), 436 compressions.
+    assert engine.cache.prefix_stats.hit_rate() > 0.1 and sum(engine.cache.prefix_stats.tier_hits.values()) > 0
     assert sched.num_preemptions > 50 and sched.num_swap_outs > 20
     assert sum(r.num_compressions for r in sim.finished) > 50
     assert all(r.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED) for r in sim.finished)
