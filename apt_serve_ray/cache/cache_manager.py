@@ -304,11 +304,12 @@ class CacheManager:
         """Slots a preempted request may take: the free ones and those demoted pages hold."""
         if self.swap is None:
             return 0
-        return self.swap.num_free_slots + len(self._tier) - len(self._tier_pinned & set(self._tier.values()))
+        return self.swap.num_free_slots + len(self._tier) - len(self._tier_pinned)  # pinned: tier slots only
 
     def forget_tier_slots(self, slots) -> None:
         """Their copies did not happen (the step failed): the names must not be found there."""
         lost = set(slots)
+        self._tier_pinned -= lost  # pinned slots are always demoted pages' (num_free_slots counts on it)
         for name, slot in list(self._tier.items()):
             if slot in lost:
                 del self._tier[name]
