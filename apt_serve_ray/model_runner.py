@@ -15,6 +15,7 @@ from apt_serve_ray.cpu_info import has_native_bf16 as cpu_has_native_bf16
 from apt_serve_ray.model_loader import ModelSource, load_config, load_state_dict
 from apt_serve_ray.models import DecoderModel, model_class
 from apt_serve_ray.attention import AttentionMetadata, DecodeGroup, PrefillChunk, SlotWrite, make_backend
+from apt_serve_ray.attention.metadata import ContextSegment
 from apt_serve_ray.attention.backend import read_kv
 from apt_serve_ray.request import CacheKind, Request
 from apt_serve_ray.sampler import SampledToken, Sampler
@@ -151,10 +152,15 @@ class ModelRunner:
             page_ids = r.page_ids
             rows, slots = writes[r.kind]
             rows.extend(range(row, row + n))
-            slots.extend(page_ids[p // tpp] * tpp + p % tpp for p in range(start, end))
-            if n == 1:
+            if r.num_prefix_pages:  # a shared prefix in another kind: the rest starts after its pages
+                head, first = r.num_prefix_pages, r.num_prefix_tokens
+                slots.extend(page_ids[head + (p - first) // tpp] * tpp + (p - first) % tpp for p in range(start, end))
+                prefills.append(self._segmented_chunk(r, row, n, start, end))  # its decode rows too
+            elif n == 1:
+                slots.append(page_ids[start // tpp] * tpp + start % tpp)
                 decodes[r.kind].append((row, end, page_ids[: (end + tpp - 1) // tpp]))
             else:
+                slots.extend(page_ids[p // tpp] * tpp + p % tpp for p in range(start, end))
                 c = PrefillChunk(row, n, start, r.kind)
                 if not r.kind.stores_hidden:
                     c.block_table = self._to(torch.tensor(page_ids[: (end + tpp - 1) // tpp], dtype=torch.int32))
@@ -172,6 +178,18 @@ class ModelRunner:
         meta.decode_kv, meta.decode_hidden, meta.decode_kv_int8, meta.decode_hidden_int8 = (
             self._decode_group(decodes[kind], kind) for kind in _KINDS)
         return self._to(torch.tensor(ids)), self._to(torch.tensor(positions)), meta, sample_rows, sample_requests
+
+    def _segmented_chunk(self, r: Request, row: int, n: int, start: int, end: int) -> PrefillChunk:
+        """The rows of a request that keeps a shared prefix in another kind (decode rows too): its
+        context is read segment by segment, each in its kind, and attended as one."""
+        segments = []
+        for kind, pages, first, last in ((r.prefix_kind, r.page_ids[:r.num_prefix_pages], 0, r.num_prefix_tokens),
+                                         (r.kind, r.page_ids[r.num_prefix_pages:], r.num_prefix_tokens, end)):
+            ctx = torch.arange(last - first)
+            tpp = self.layout.tokens_per_page(kind)
+            segments.append(ContextSegment(kind, self._to(torch.tensor(pages)[ctx // tpp]), self._to(ctx % tpp),
+                                           self._to(ctx + first)))
+        return PrefillChunk(row, n, start, r.kind, segments=segments)
 
     def _to(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device, non_blocking=True)
@@ -217,13 +235,13 @@ class ModelRunner:
         (K/V, or x) quantised."""
         if plan.num_tokens == 0:
             return
-        pos = torch.arange(plan.num_tokens)
+        pos = torch.arange(plan.num_tokens)  # from the plan's first token (after a shared prefix it keeps)
         tpp, dst_tpp = self.layout.tokens_per_page(plan.from_kind), self.layout.tokens_per_page(plan.to_kind)
         src_pages = self._to(torch.tensor(plan.src_pages)[pos // tpp])
         src_offs = self._to(pos % tpp)
         dst_pages = self._to(torch.tensor(plan.dst_pages)[pos // dst_tpp])
         dst_offs = self._to(pos % dst_tpp)
-        pos = self._to(pos)
+        pos = self._to(pos + plan.start_token)  # positions: K is rotated where it sits
         for layer in range(self.layout.num_layers):
             if not plan.is_upgrade:
                 view = self.storage.kv if plan.from_kind is CacheKind.KV else self.storage.hidden

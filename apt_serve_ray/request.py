@@ -113,6 +113,12 @@ class Request:
         # Swapped out (preempted into the tier below memory): the slots holding its pages, in order.
         # It keeps ``kind`` and ``num_computed_tokens`` and holds no pages until it is swapped back in.
         self.swap_slots: list[int] = []
+        # A shared prefix kept in another kind (a compression in place keeps the pages other requests
+        # share, and turns only its own): its first ``num_prefix_pages`` pages hold tokens
+        # [0, num_prefix_tokens) in ``prefix_kind``, the rest the later tokens in ``kind``. None: one kind.
+        self.prefix_kind: CacheKind | None = None
+        self.num_prefix_pages = 0
+        self.num_prefix_tokens = 0
         # Prefix caching: the names of its full pages, per kind (``CacheManager.block_hashes``); how many
         # of its pages are named (-1: none from now on, its pages changed kind in place); and the
         # prompt tokens found cached when it was first admitted (None before).

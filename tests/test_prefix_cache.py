@@ -13,7 +13,6 @@ from apt_serve_ray.bench.simulator import MHA_LAYOUT, CostModel, SimulatedEngine
 from apt_serve_ray.cache.cache_manager import CacheManager
 from apt_serve_ray.cache.page_pool import PagePool
 from apt_serve_ray.request import CacheKind, Request, RequestStatus
-from apt_serve_ray.scheduler.policies.sarathi import SarathiPolicy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 H = [bytes([i]) * 16 for i in range(32)]  # stand-in names
@@ -194,43 +193,6 @@ def test_compressed_kinds_share_their_own_pages_with_the_same_output(opt_tiny, k
     assert cached[1] > 0 and engine.cache.prefix_stats.hits[kind] == sum(cached)
 
 
-class CompressAfterHit(SarathiPolicy):
-    """Sarathi admitting in KV, but compressing to kv-int8 every running request that decodes and
-    started from a cached prefix."""
-
-    def kind_for(self, request):
-        return CacheKind.KV
-
-    def schedule(self, ctx):
-        for r in list(ctx.running):
-            if r.kind is CacheKind.KV and r.num_output_tokens and r.num_cached_tokens:
-                assert ctx.compress(r, CacheKind.KV_INT8)
-        super().schedule(ctx)
-
-
-def test_compressing_a_request_in_place_leaves_the_pages_it_shares_intact(opt_tiny):
-    system = _tokens(64, 9)
-    prompts = [system + _tokens(9, 10 + i) for i in range(3)]
-    kw = dict(dtype="float32", num_pages=64, max_num_batched_tokens=512, calibrate_rho=False, swap_space=0,
-              cache_kinds=["kv-int8"], cache_ratio=1.0)
-    ref = LLM(opt_tiny, policy="sarathi", enable_prefix_caching=False, **kw).generate(prompts[:1], GREEDY)
-    llm = LLM(opt_tiny, policy="sarathi", **kw)
-    engine = llm.llm_engine
-    engine.set_policy(CompressAfterHit())
-    first = engine.add_request(prompts[0], GREEDY)
-    engine.step()
-    others = [engine.add_request(p, GREEDY) for p in prompts[1:]]
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-        engine.check_integrity()
-    assert all(r.num_compressions == 1 and r.last_kind is CacheKind.KV_INT8 for r in others)
-    assert first.num_compressions == 0 and first.last_kind is CacheKind.KV
-    assert done[first.request_id] == ref[0].outputs[0].token_ids  # its shared pages were not rewritten
-
-
 # Randomised bookkeeping ---------------------------------------------------------------------------
 def test_randomised_arrivals_aborts_preemptions_swaps_and_compressions_keep_the_pool_sound():
     rng = random.Random(1)
@@ -240,6 +202,7 @@ def test_randomised_arrivals_aborts_preemptions_swaps_and_compressions_keep_the_
     engine = sim.llm_engine
     systems = [[rng.randrange(10, 30000) for _ in range(rng.randrange(16, 120))] for _ in range(4)]
     histories: list[list[int]] = []
+    segmented = set()  # requests that kept a shared prefix in another kind than their own pages
     for step in range(3000):
         if rng.random() < 0.4:
             if histories and rng.random() < 0.3:  # a next turn: a past prompt and more
@@ -258,15 +221,16 @@ def test_randomised_arrivals_aborts_preemptions_swaps_and_compressions_keep_the_
             engine.cache.reset_prefix_cache()
         sim.step()
         engine.check_integrity()
+        segmented.update(r.request_id for r in engine.scheduler.running if r.num_prefix_pages)
     sim.run_until_idle()
     engine.check_integrity()
     pool, sched = engine.cache.pool, engine.scheduler
     assert pool.num_used_pages == 0 and pool.num_free_pages == pool.num_pages
-    # Measured at this seed: 28% of tokens found (1,482 of them brought back from the tier, 1,269 pages
-    # demoted there), 114 preemptions (71 into the tier), 436 compressions.
+    # Measured at this seed: 38% of tokens found (1,730 of them brought back from the tier), 96
+    # preemptions (58 into the tier), 436 compressions, 399 requests with a prefix segment.
     assert engine.cache.prefix_stats.hit_rate() > 0.1 and sum(engine.cache.prefix_stats.tier_hits.values()) > 0
     assert sched.num_preemptions > 50 and sched.num_swap_outs > 20
-    assert sum(r.num_compressions for r in sim.finished) > 50
+    assert sum(r.num_compressions for r in sim.finished) > 50 and len(segmented) > 50
     assert all(r.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED) for r in sim.finished)
 
 

@@ -15,7 +15,10 @@ Per layer, for the flat batch of this step's tokens (``forward``):
    request ever attends over is the dequantised one, so its outputs do not depend on how the
    scheduler chunked or batched it (nor on a preemption's recompute). The CPU backend has its own.
 
-Every request reads only its own pages in its own kind, so mixed batches are exact for every kind.
+Every request reads only its own pages in their kinds, so mixed batches are exact for every kind. A
+request that keeps a shared prefix in another kind (a compression in place does not rewrite the pages
+other requests share) has its context in two segments: all its rows go the prefill way, each segment
+read in its kind, attended as one (``read_context_kv``).
 Padded decode slots read any page (page 0, or the stale tail of the request's last page), whose bytes
 in another kind may be NaN as floats: they are zeroed before attending, not only masked.
 """
@@ -144,17 +147,28 @@ class AttentionBackend:
     def prefill(layer: int, q, k, v, c: PrefillChunk, storage: CacheStorage, proj: KVProjection,
                 scale: float) -> torch.Tensor:
         qc = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        if c.start_pos == 0 and not c.kind.is_int8:
+        if c.start_pos == 0 and not c.kind.is_int8 and c.segments is None:
             keys, values, mask, causal = k, v, None, True
         else:
-            positions = torch.arange(c.start_pos + c.num_tokens, device=q.device)
-            keys, values = read_kv(layer, storage, c.kind, c.pages, c.offsets, proj, positions, q.dtype)
+            keys, values = read_context_kv(layer, storage, c, proj, q.dtype)
             mask, causal = _chunk_mask(c, q.device), False
         o = F.scaled_dot_product_attention(
             qc, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
             attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
         )
         return o[0].transpose(0, 1)
+
+
+def read_context_kv(layer: int, storage: CacheStorage, c: PrefillChunk, proj: KVProjection,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V [start_pos + num_tokens, KVH, D] of a chunk's whole context, read from the cache (its own
+    tokens were written before attention runs): in its kind, or segment by segment, each in its own
+    kind (a shared KV prefix, then the request's compressed pages), concatenated."""
+    if c.segments is None:
+        positions = torch.arange(c.start_pos + c.num_tokens, device=c.pages.device)
+        return read_kv(layer, storage, c.kind, c.pages, c.offsets, proj, positions, dtype)
+    parts = [read_kv(layer, storage, s.kind, s.pages, s.offsets, proj, s.positions, dtype) for s in c.segments]
+    return torch.cat([kv[0].to(dtype) for kv in parts]), torch.cat([kv[1].to(dtype) for kv in parts])
 
 
 def read_x(layer: int, storage: CacheStorage, kind: CacheKind, pages, offsets, dtype: torch.dtype,

@@ -24,7 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from apt_serve_ray.attention.backend import AttentionBackend, read_kv
+from apt_serve_ray.attention.backend import AttentionBackend, read_context_kv
 from apt_serve_ray.attention.metadata import DecodeGroup, KVProjection, PrefillChunk
 from apt_serve_ray.cache.storage import CacheStorage
 from apt_serve_ray.kernels import cpu_attention
@@ -65,16 +65,15 @@ class CpuBackend(AttentionBackend):
                 scale: float) -> torch.Tensor:
         path = self._path(q, k.shape[1])
         ctx = c.start_pos + c.num_tokens
-        if c.kind is CacheKind.KV and c.start_pos > 0:
+        if c.kind is CacheKind.KV and c.start_pos > 0 and c.segments is None:
             kv = storage.kv[layer]
             if path == "kernel":  # reads the pages in place
                 return cpu_attention.prefill_attention(q, kv[:, :, 0], kv[:, :, 1], c.block_table, c.start_pos, scale)
             keys, values = gather_kv_pages(kv, c.block_table, ctx)
-        elif c.start_pos == 0 and not c.kind.is_int8:
+        elif c.start_pos == 0 and not c.kind.is_int8 and c.segments is None:
             keys, values = k, v
         else:  # hidden: project the stored x; int8 kinds: dequantise (their own tokens too, as the reference)
-            keys, values = read_kv(layer, storage, c.kind, c.pages, c.offsets, proj,
-                                   torch.arange(ctx, device=q.device), q.dtype)
+            keys, values = read_context_kv(layer, storage, c, proj, q.dtype)
         if path == "kernel":
             table = torch.arange(ctx, dtype=torch.int32, device=q.device)  # one token per "page"
             return cpu_attention.prefill_attention(q, keys[:, None], values[:, None], table, c.start_pos, scale)

@@ -70,7 +70,21 @@ class DecodeGroup:
 
 
 @dataclass
+class ContextSegment:
+    """Consecutive tokens of a request's context held in one kind: the page and offset of each, and
+    its position (K is rotated, and x projected, where the token sits)."""
+
+    kind: CacheKind
+    pages: torch.Tensor  # [n]
+    offsets: torch.Tensor  # [n]
+    positions: torch.Tensor  # [n]
+
+
+@dataclass
 class PrefillChunk:
+    """Rows of one request that attend causally over its context: a prompt chunk, or (``segments``)
+    any rows of a request that keeps a shared prefix in another kind than its own pages."""
+
     row_start: int
     num_tokens: int
     start_pos: int  # position of the chunk's first token
@@ -78,6 +92,9 @@ class PrefillChunk:
     pages: torch.Tensor | None = None  # [ctx] page of each context slot: start_pos > 0, or an int8 kind
     offsets: torch.Tensor | None = None
     block_table: torch.Tensor | None = None  # [pages] int32: the request's pages (kv and kv-int8 chunks)
+    # The context in more than one kind (a shared prefix, then the request's own pages), in order;
+    # read segment by segment and attended as one. None: all of it in ``kind``.
+    segments: list[ContextSegment] | None = None
 
     @property
     def is_hidden(self) -> bool:

@@ -19,8 +19,8 @@ from apt_serve_ray.request import CacheKind, Request
 
 @dataclass(frozen=True)
 class ConversionPlan:
-    """A running request changes kind in place: the ``num_tokens`` tokens held in ``src_pages`` (of
-    ``from_kind``) are written into ``dst_pages`` (of ``to_kind``). An upgrade (to KV: K/V projected
+    """A running request changes kind in place: the ``num_tokens`` tokens from position ``start_token``
+    held in ``src_pages`` (of ``from_kind``) are written into ``dst_pages`` (of ``to_kind``). An upgrade (to KV: K/V projected
     from x, dequantised, or both) or a compression (``can_convert``: quantised to the int8 kind of the
     same content). The source pages are released after the step has read them."""
 
@@ -30,6 +30,7 @@ class ConversionPlan:
     dst_pages: list[int]
     from_kind: CacheKind = CacheKind.HIDDEN
     to_kind: CacheKind = CacheKind.KV
+    start_token: int = 0  # position of the first token converted (after a shared prefix kept as it is)
 
     @property
     def is_upgrade(self) -> bool:
@@ -130,7 +131,15 @@ class CacheManager:
         kind = kind or request.kind or CacheKind.KV
         if request.page_ids and kind is not request.kind:  # (a copy in the tier may change kind: ``swap_in``)
             raise ValueError(f"kind: request {request.request_id} holds {request.kind.value} pages, asked {kind.value}")
-        return max(0, self.layout.num_pages_for(num_total_tokens, kind) - len(request.page_ids))
+        return max(0, self.num_pages_for(request, num_total_tokens, kind) - len(request.page_ids))
+
+    def num_pages_for(self, request: Request, num_tokens: int, kind: CacheKind) -> int:
+        """Pages ``request`` holds for its first ``num_tokens`` tokens with its later ones in ``kind``:
+        its shared prefix in another kind (``prefix_kind``), if any, and the rest in ``kind``."""
+        if not request.num_prefix_pages:
+            return self.layout.num_pages_for(num_tokens, kind)
+        rest = max(0, num_tokens - request.num_prefix_tokens)
+        return request.num_prefix_pages + self.layout.num_pages_for(rest, kind)
 
     def can_allocate(self, request: Request, num_total_tokens: int, kind: CacheKind | None = None) -> bool:
         return self.pool.can_allocate(self.num_new_pages(request, num_total_tokens, kind))
@@ -159,6 +168,7 @@ class CacheManager:
         request.swap_slots = []
         request.kind = None
         request.num_named_pages = 0
+        _clear_prefix_segment(request)
 
     # Prefix caching -------------------------------------------------------------------------------
     def block_hashes(self, request: Request, kind: CacheKind, num_blocks: int) -> list[bytes]:
@@ -354,12 +364,18 @@ class CacheManager:
         return self.layout.num_pages_for(request.num_computed_tokens, request.kind) if request.kind else 0
 
     def can_swap_out(self, request: Request) -> bool:
+        """Whether ``swap_out`` would move it. Not a request that holds a shared prefix in another kind:
+        it is recomputed instead (its prefix is found again in the prefix cache)."""
         num = self.num_swap_pages(request)
-        return self.swap is not None and 0 < num <= self.num_free_slots and request.request_id not in self._restores
+        return (self.swap is not None and 0 < num <= self.num_free_slots and not request.num_prefix_pages
+                and request.request_id not in self._restores)
 
     def swap_out(self, request: Request) -> SwapPlan | None:
         """Move the pages holding ``request``'s computed tokens to slots and free all its pages; it keeps
-        ``num_computed_tokens`` and its kind. None (nothing changed) if the tier has too few free slots."""
+        ``num_computed_tokens`` and its kind. None (nothing changed) if the tier has too few free slots,
+        or it holds a shared prefix in another kind (``can_swap_out``)."""
+        if request.num_prefix_pages:
+            return None
         num = self.num_swap_pages(request)
         if self.swap is not None and num > self.swap.num_free_slots:
             self._drop_tier(num - self.swap.num_free_slots)  # a request's pages win over cached ones
@@ -420,21 +436,25 @@ class CacheManager:
 
     def upgrade(self, request: Request, num_total_tokens: int) -> ConversionPlan | None:
         """Switch a request in a compressed kind to KV pages big enough for ``num_total_tokens``; the
-        runner fills them from the old pages, which come back after the step. Returns None if there is
-        not enough memory."""
+        runner fills them from the old pages, which come back after the step. A shared prefix it keeps
+        in another kind (``prefix_kind``) stays as it is: only its own tokens change kind. Returns None
+        if there is not enough memory."""
         if request.kind is None or not request.kind.is_compressed:
             raise ValueError(f"request {request.request_id} holds no compressed pages")
-        pages = self.pool.allocate(self.layout.num_pages_for(num_total_tokens, CacheKind.KV), CacheKind.KV,
-                                   request.request_id)
+        head, start = request.num_prefix_pages, request.num_prefix_tokens
+        pages = self.pool.allocate(self.layout.num_pages_for(max(0, num_total_tokens - start), CacheKind.KV),
+                                   CacheKind.KV, request.request_id)
         if pages is None:
             return None
-        plan = ConversionPlan(request.request_id, request.num_computed_tokens, list(request.page_ids), pages,
-                              request.kind, CacheKind.KV)
-        self._deferred.append((plan.src_pages[::-1], request.request_id))
+        own = request.page_ids[head:]
+        plan = ConversionPlan(request.request_id, request.num_computed_tokens - start, own, pages,
+                              request.kind, CacheKind.KV, start)
+        self._deferred.append((own[::-1], request.request_id))
         request.kind = request.last_kind = CacheKind.KV
-        request.page_ids = pages
+        request.page_ids = request.page_ids[:head] + pages
         request.num_named_pages = -1  # projected or dequantised: not what a forward pass writes
         request.num_upgrades += 1
+        _merge_prefix_segment(request)
         return plan
 
     def num_private_pages(self, request: Request) -> int:
@@ -442,15 +462,35 @@ class CacheManager:
         refs = self.pool.refs
         return sum(1 for p in request.page_ids if refs(p) == 1)
 
-    def _compress_targets(self, request: Request, kind: CacheKind) -> tuple[list[int], int]:
-        """The pages of its own that a compression to ``kind`` writes, and how many more it needs."""
-        num = self.layout.num_pages_for(request.num_computed_tokens, kind)
+    def _shared_head(self, request: Request) -> tuple[int, int]:
+        """The pages at the head of ``request``'s that a change of kind keeps as they are, and the
+        tokens they hold: its prefix in another kind, or else the leading pages other requests share
+        with it (sharing is a prefix: whoever shares a page shares the ones before it)."""
+        if request.num_prefix_pages:
+            return request.num_prefix_pages, request.num_prefix_tokens
+        refs, pages, head = self.pool.refs, request.page_ids, 0
+        while head < len(pages) and refs(pages[head]) > 1:
+            head += 1
+        return head, head * self.layout.tokens_per_page(request.kind)
+
+    def _compress_targets(self, request: Request, kind: CacheKind) -> tuple[list[int], int, int, int]:
+        """A compression to ``kind``: the pages of its own that it writes, how many free ones more it
+        needs, and the pages and tokens of the shared head it keeps."""
+        head, start = self._shared_head(request)
+        num = self.layout.num_pages_for(max(0, request.num_computed_tokens - start), kind)
         refs = self.pool.refs
-        private = [p for p in request.page_ids if refs(p) == 1][:num]
-        return private, num - len(private)
+        private = [p for p in request.page_ids[head:] if refs(p) == 1][:num]
+        return private, num - len(private), head, start
+
+    def compress_gain(self, request: Request, kind: CacheKind) -> tuple[int, int]:
+        """(pages of ``kind`` a compression writes, pages it frees): its own pages come free, less those
+        its tokens take in ``kind``; a shared head stays (and costs nothing more)."""
+        private, short, head, _ = self._compress_targets(request, kind)
+        num = len(private) + short
+        return num, len(request.page_ids) - head - num
 
     def can_compress(self, request: Request, kind: CacheKind) -> bool:
-        """Whether ``compress`` would find the pages: its own, plus free ones where it shares pages."""
+        """Whether ``compress`` would find the pages: its own, plus free ones where it has too few."""
         if request.kind is None or request.kind is kind or not can_convert(request.kind, kind):
             return False
         return self.pool.can_allocate(self._compress_targets(request, kind)[1])
@@ -464,28 +504,34 @@ class CacheManager:
             before   [p0 p1 p2 p3 p4 p5 p6]  kv, 16 tokens a page
             after    [p0 p1 p2 p3]           kv-int8, 30 tokens a page; p4-p6 freed after the step
 
-        Pages it shares (a cached prefix) are not rewritten: it drops its reference to them after the
-        step, and where its own pages are too few, it takes free ones. None (nothing changed) without them.
+        Pages it shares (a cached prefix) are not rewritten: they stay at its head, in their kind, as
+        its prefix segment (``prefix_kind``; the kernels attend over both segments), and only the tokens
+        after them change kind. None (nothing changed) where it has too few pages of its own and the
+        pool no free ones.
         """
         if request.kind is None or request.kind is kind or not can_convert(request.kind, kind):
             raise ValueError(f"kind: request {request.request_id}'s {getattr(request.kind, 'value', None)} "
                              f"pages cannot be compressed to {kind.value}")
-        pages, rid = list(request.page_ids), request.request_id
-        private, short = self._compress_targets(request, kind)
+        rid = request.request_id
+        private, short, head, start = self._compress_targets(request, kind)
         extra = self.pool.allocate(short, kind, rid) if short > 0 else []
         if extra is None:
             return None
+        own = request.page_ids[head:]
         dst = private + extra
-        plan = ConversionPlan(rid, request.num_computed_tokens, pages, dst, request.kind, kind)
+        plan = ConversionPlan(rid, request.num_computed_tokens - start, own, dst, request.kind, kind, start)
         self.pool.retag(private, kind, rid)  # they lose their names: their content changes
         kept = set(private)
-        rest = [p for p in pages if p not in kept]
+        rest = [p for p in own if p not in kept]
         if rest:
             self._deferred.append((rest[::-1], rid))
+        if head and not request.num_prefix_pages:
+            request.prefix_kind, request.num_prefix_pages, request.num_prefix_tokens = request.kind, head, start
         request.kind = request.last_kind = kind
-        request.page_ids = dst
+        request.page_ids = request.page_ids[:head] + dst
         request.num_named_pages = -1
         request.num_compressions += 1
+        _merge_prefix_segment(request)
         return plan
 
     def release_deferred(self) -> None:
@@ -509,11 +555,18 @@ class CacheManager:
                 raise AssertionError(f"request {r.request_id} holds both pages and swap slots")
             if len(set(r.page_ids)) != len(r.page_ids):
                 raise AssertionError(f"request {r.request_id} holds a page twice")
-            for page in r.page_ids:
+            if r.num_prefix_pages:
+                tpp = self.layout.tokens_per_page(r.prefix_kind)
+                if (r.prefix_kind is r.kind or r.num_prefix_tokens != r.num_prefix_pages * tpp
+                        or not r.page_ids or r.num_prefix_tokens > r.num_computed_tokens):
+                    raise AssertionError(f"request {r.request_id}: its prefix segment ({r.num_prefix_pages} "
+                                         f"{r.prefix_kind} pages, {r.num_prefix_tokens} tokens) is not sound")
+            for i, page in enumerate(r.page_ids):
                 if r.request_id not in self.pool.owners(page):
                     raise AssertionError(f"page {page} of {r.request_id} is owned by {self.pool.owners(page)!r}")
-                if self.pool.kind(page) is not r.kind:
-                    raise AssertionError(f"page {page} of {r.request_id} is {self.pool.kind(page)}, not {r.kind}")
+                kind = r.prefix_kind if i < r.num_prefix_pages else r.kind
+                if self.pool.kind(page) is not kind:
+                    raise AssertionError(f"page {page} of {r.request_id} is {self.pool.kind(page)}, not {kind}")
                 held[page] = held.get(page, 0) + 1
             for slot in r.swap_slots:
                 if self.swap is None or self.swap.owner(slot) != r.request_id:
@@ -539,5 +592,19 @@ class CacheManager:
         tokens = dict.fromkeys((k.value for k in CacheKind), 0)
         for request in requests:
             if request.kind is not None:
-                tokens[request.kind.value] += request.num_computed_tokens
+                head = request.num_prefix_tokens if request.num_prefix_pages else 0
+                tokens[request.kind.value] += request.num_computed_tokens - head
+                if head:
+                    tokens[request.prefix_kind.value] += head
         return tokens
+
+
+def _clear_prefix_segment(request: Request) -> None:
+    request.prefix_kind, request.num_prefix_pages, request.num_prefix_tokens = None, 0, 0
+
+
+def _merge_prefix_segment(request: Request) -> None:
+    """After a change of kind: a prefix segment in the request's own kind is one kind again (its
+    tokens fill whole pages, so the later ones start on a page of their own either way)."""
+    if request.num_prefix_pages and request.prefix_kind is request.kind:
+        _clear_prefix_segment(request)

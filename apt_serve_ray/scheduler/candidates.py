@@ -183,6 +183,12 @@ class Candidates:
             held[:n_run] = np.fromiter(map(_HELD_CODE.__getitem__, map(_KIND, running)), dtype=np.int64, count=n_run)
             mem_held[:n_run] = mem[np.maximum(held[:n_run], 0), np.arange(n_run)]
             num_computed[:n_run] = np.fromiter(map(_COMPUTED, running), dtype=np.int64, count=n_run)
+            for i, r in enumerate(running):
+                if r.num_prefix_pages:  # a shared prefix kept in another kind: the rest in each kind
+                    for k, kind in enumerate(KINDS):
+                        if mem[k, i] != _NEVER_FITS:
+                            mem[k, i] = ctx.cache.num_pages_for(r, int(need[i]), kind)
+                    mem_held[i] = mem[held[i], i]
         copy = None
         if waiting:
             # Read live, not carried in WaitingRows: a request admitted and preempted within one

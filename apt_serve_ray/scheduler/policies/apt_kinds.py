@@ -57,13 +57,12 @@ class KindChanger:
             return 0
         room = ctx.compressed_pages_left - self._compressed_admissions(c, plan)
         headroom = self._kind_headroom(c, plan)
-        lay, freed = ctx.cache.layout, 0
+        freed = 0
         for r in rows[np.argsort(-c.num_held[rows], kind="stable")].tolist():
             k = targets[int(held[r])]
             request = c.requests[r]
-            num = lay.num_pages_for(request.num_computed_tokens, KINDS[k])
-            # Pages it shares (a cached prefix) stay with the others: only its own come free.
-            gain = ctx.cache.num_private_pages(request) - num
+            # Pages it shares (a cached prefix) stay as they are: only its own change kind and come free.
+            num, gain = ctx.cache.compress_gain(request, KINDS[k])
             cost = float(self._per_page[k] * c.mem_kv[r])
             now_s = self.costs.conversion_seconds(KINDS[int(held[r])], KINDS[k], request.num_computed_tokens)
             if gain <= 0 or num > room or cost > headroom or not plan.budget.fits(now_s):
