@@ -22,6 +22,21 @@ SHAPES = {
     "llama-tiny-h32": ("llama", 64, 2, 2, 2, 128),
     "opt-125m": ("opt", 768, 12, 12, 12, 3072),
     "opt-13b-2l": ("opt", 5120, 2, 40, 40, 20480),  # two layers of OPT-13B: its per-layer costs, 1.2 GB
+    # The other Llama-family architectures, MHA so that the hidden kind runs on them too:
+    "qwen2-tiny": ("qwen2", 64, 2, 4, 4, 128),  # biases on q/k/v
+    "qwen3-tiny": ("qwen3", 64, 2, 4, 4, 128, {"head_dim": 32}),  # q/k norms; heads * head_dim != hidden
+    "qwen3-tiny-gqa": ("qwen3", 64, 2, 4, 2, 128, {"head_dim": 16}),
+    "mistral-tiny": ("mistral", 64, 2, 4, 4, 128, {"sliding_window": 1024}),  # max_model_len capped there
+    "phi3-tiny": ("phi3", 64, 2, 4, 4, 128, {"partial_rotary_factor": 0.5}),  # fused qkv / gate-up
+}
+
+# Llama-family architectures: transformers' config and model classes, by ``model_type``.
+_LLAMA_FAMILY = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
 }
 
 
@@ -39,9 +54,11 @@ def make_random_checkpoint(path: str | os.PathLike, shape: str = "opt-tiny", *, 
     path = Path(path)
     if (path / "config.json").exists() and list(path.glob("*.safetensors")):
         return str(path)
-    from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
+    import transformers
+    from transformers import OPTConfig, OPTForCausalLM
 
-    arch, hidden, layers, heads, kv_heads, ffn = SHAPES[shape]
+    arch, hidden, layers, heads, kv_heads, ffn, *extra = SHAPES[shape]
+    extra = dict(extra[0]) if extra else {}
     tok = _tokenizer()
     common = dict(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                   pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
@@ -51,20 +68,32 @@ def make_random_checkpoint(path: str | os.PathLike, shape: str = "opt-tiny", *, 
                            do_layer_norm_before=True, dropout=0.0, attention_dropout=0.0, **common)
         cls = OPTForCausalLM
     else:
-        config = LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                             num_key_value_heads=kv_heads, intermediate_size=ffn, max_position_embeddings=max_positions,
-                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                             tie_word_embeddings=True, **common)
-        cls = LlamaForCausalLM
+        config_name, model_name = _LLAMA_FAMILY[arch]
+        rope = {"rope_type": "default", "rope_theta": 10000.0}
+        if "partial_rotary_factor" in extra:
+            rope["partial_rotary_factor"] = extra.pop("partial_rotary_factor")
+        config = getattr(transformers, config_name)(
+            hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+            intermediate_size=ffn, max_position_embeddings=max_positions, rope_parameters=rope,
+            tie_word_embeddings=True, **extra, **common)
+        cls = getattr(transformers, model_name)
     torch.manual_seed(seed)
     model = cls(config)
-    if arch == "opt":
-        # Default init (std 0.02) gives near-uniform logits; widen it so greedy choices are clear-cut
-        # and tests are not decided by float noise between near-ties.
-        with torch.no_grad():
+    with torch.no_grad():
+        if arch == "opt":
+            # Default init (std 0.02) gives near-uniform logits; widen it so greedy choices are clear-cut
+            # and tests are not decided by float noise between near-ties.
             for p in model.parameters():
                 if p.dim() >= 2:
                     p.normal_(0.0, 0.08 if hidden <= 128 else 0.02)
+        elif arch != "llama":
+            # Biases start at zero and norms at one: move them, so that a model code that drops one
+            # (a q/k/v bias, Qwen3's q/k norms) does not match by accident.
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0.0, 0.05)
+                elif p.dim() == 1 and "norm" in name:
+                    p.normal_(1.0, 0.1)
     model = model.to(getattr(torch, dtype))
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)

@@ -63,6 +63,8 @@ class EngineConfig:
     # over their tokens and a request starts from the longest cached prefix of its tokens, in the kind
     # it is admitted in. Off: every request computes every token (the engine before prefix caching).
     enable_prefix_caching: bool = True
+    # The grammar library that masks structured outputs (``apt_serve_ray.structured``).
+    structured_output_backend: str = "llguidance"
     # Batching.
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -118,6 +120,11 @@ class EngineConfig:
                      "calibrate_rho", "cache_proj_optimize", "engine_process"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")
+        from apt_serve_ray.structured import GRAMMAR_BACKENDS
+
+        if self.structured_output_backend not in GRAMMAR_BACKENDS:
+            raise ValueError(f"structured_output_backend: must be one of {list(GRAMMAR_BACKENDS)}, "
+                             f"got {self.structured_output_backend!r}")
         kinds = self.cache_kinds
         if isinstance(kinds, str) or not isinstance(kinds, (tuple, list)) or \
                 not all(isinstance(k, str) and k in COMPRESSED_KIND_NAMES for k in kinds):

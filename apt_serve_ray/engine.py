@@ -166,6 +166,10 @@ class LLMEngine:
             raise ValueError("prompt: must be a string or a list of token ids")
         if not ids:
             raise ValueError("prompt: must not be empty")
+        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
+            raise ValueError(f"logit_bias: token ids must be in [0, {self.vocab_size}), got {max(params.logit_bias)}")
+        if params.structured_output is not None:
+            self.structured_outputs().compile(params.structured_output)  # a bad grammar: refused now
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt: {len(ids)} tokens leave no room to generate within the model's context of "
@@ -188,6 +192,17 @@ class LLMEngine:
             trace_context=trace_context, service_class=service_class,
         )
 
+    def structured_outputs(self):
+        """The engine's grammars and matchers (made when a request first asks for structured output:
+        the grammar library loads then)."""
+        so = self.runner.sampler.structured
+        if so is None:
+            from apt_serve_ray.structured import StructuredOutputs
+
+            so = StructuredOutputs(self.tokenizer, self.vocab_size, self.config.structured_output_backend)
+            self.runner.sampler.structured = so
+        return so
+
     def add_request(self, prompt, sampling_params=None, request_id=None, **kwargs) -> Request:
         request = prompt if isinstance(prompt, Request) else self.make_request(prompt, sampling_params, request_id, **kwargs)
         if request.request_id in self.requests:
@@ -196,6 +211,8 @@ class LLMEngine:
         self._detokenizers[request.request_id] = IncrementalDetokenizer(
             self.tokenizer, sp.skip_special_tokens, sp.stop_strings, sp.include_stop_str_in_output
         )
+        if sp.structured_output is not None:
+            self.structured_outputs().add(request.request_id, sp.structured_output)
         self.requests[request.request_id] = request
         self.scheduler.add_request(request)
         self._emit(request, RequestEvent.QUEUED, self.clock())
@@ -294,7 +311,9 @@ class LLMEngine:
         sp = request.sampling_params
         status, reason = None, None
         may_stop = request.num_output_tokens >= sp.min_tokens
-        if may_stop and stop_string is not None:
+        if sampled.grammar_done:  # its structured output is complete: nothing more may follow
+            status = RequestStatus.FINISHED_STOPPED
+        elif may_stop and stop_string is not None:
             status, reason = RequestStatus.FINISHED_STOPPED, stop_string
         elif may_stop and not sp.ignore_eos and token in self.eos_token_ids:
             status = RequestStatus.FINISHED_STOPPED

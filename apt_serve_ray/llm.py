@@ -112,15 +112,26 @@ class HybridCacheLLM(LLM):
     """The hybrid KV / hidden-state cache engine (the same engine; the name the design uses)."""
 
 
-def apply_chat_template(tokenizer, messages, add_generation_prompt: bool = True) -> list[int]:
+def apply_chat_template(tokenizer, messages, add_generation_prompt: bool = True,
+                        template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[int]:
+    """Token ids of ``messages`` through the model's chat template; ``template_kwargs``: variables the
+    template reads (e.g. Qwen3's ``enable_thinking``); ``tools``: for a template that renders them."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages: must be a non-empty list of {role, content} objects")
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not (
+                isinstance(m.get("content"), str) or (m.get("content") is None and m.get("tool_calls"))):
             raise ValueError(f"messages[{i}]: must have a string 'role' and a string 'content'")
     if tokenizer.chat_template is None:
         raise ValueError("messages: this model has no chat template; use a plain prompt")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    reserved = {"conversation", "messages", "tokenize", "add_generation_prompt", "return_dict", "tools"}
+    clash = sorted(reserved & set(template_kwargs or {}))
+    if clash:
+        raise ValueError(f"chat_template_kwargs: {clash[0]!r} cannot be set there")
+    if tools:
+        template_kwargs = {**(template_kwargs or {}), "tools": tools}
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                        **(template_kwargs or {}))
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return list(ids)

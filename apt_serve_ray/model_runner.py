@@ -14,6 +14,7 @@ from apt_serve_ray.config import EngineConfig
 from apt_serve_ray.cpu_info import has_native_bf16 as cpu_has_native_bf16
 from apt_serve_ray.model_loader import ModelSource, load_config, load_state_dict
 from apt_serve_ray.models import DecoderModel, model_class
+from apt_serve_ray.models.llama import sliding_window
 from apt_serve_ray.attention import AttentionMetadata, DecodeGroup, PrefillChunk, SlotWrite, make_backend
 from apt_serve_ray.attention.metadata import ContextSegment
 from apt_serve_ray.attention.backend import read_kv
@@ -60,6 +61,16 @@ class ModelRunner:
         model_max = getattr(self.hf_config, "max_position_embeddings", None) or 2048
         if config.max_model_len is not None and config.max_model_len > model_max:
             raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's context {model_max}")
+        window = sliding_window(self.hf_config)
+        if window is not None and window < model_max:
+            # Attention within the window is full attention for sequences that fit in it.
+            if config.max_model_len is not None and config.max_model_len > window:
+                raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's attention window "
+                                 f"{window} (sliding-window attention is served up to the window)")
+            if config.max_model_len is None:
+                logger.warning("max_model_len capped from %d to %d tokens: the model's sliding attention window",
+                               model_max, window)
+            model_max = window
         self.max_model_len = config.max_model_len or model_max
         cls = model_class(self.hf_config.model_type)
         state = load_state_dict(source, self.dtype)

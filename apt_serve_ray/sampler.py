@@ -1,4 +1,5 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+"""Token sampling: logit bias and penalties, greedy, temperature, top-k, top-p, min-p, per-request
+seeds, logprobs.
 
 Greedy rows take one argmax for the whole batch. Sampled rows are filtered in a vectorised pass and
 drawn by inverse CDF: one uniform number per row (from the row's own generator where the request is
@@ -22,15 +23,19 @@ class SampledToken:
     token_id: int
     logprob: float | None = None
     top_logprobs: dict[int, float] | None = None
+    grammar_done: bool = False  # the request's structured output is complete with this token
 
 
 class Sampler:
     def __init__(self, seed: int) -> None:
         self._generator = torch.Generator().manual_seed(seed)
         self._request_generators: dict[str, torch.Generator] = {}
+        self.structured = None  # StructuredOutputs, set by the engine when a request first needs one
 
     def forget(self, request_id: str) -> None:
         self._request_generators.pop(request_id, None)
+        if self.structured is not None:
+            self.structured.forget(request_id)
 
     def _generator_for(self, request: Request) -> torch.Generator:
         seed = request.sampling_params.seed
@@ -43,7 +48,18 @@ class Sampler:
         return gen
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
-        logits = logits.float().cpu()
+        logits = raw = logits.float().cpu()
+        adjusted = [i for i, r in enumerate(requests) if r.sampling_params.adjusts_logits]
+        if adjusted:
+            logits = raw.clone()
+            for i in adjusted:
+                apply_penalties(logits[i], requests[i])
+        constrained: list[int] = []
+        if self.structured is not None:
+            ids = [r.request_id for r in requests]
+            if any(rid in self.structured for rid in ids):
+                logits = logits.clone() if logits is raw else logits
+                constrained = self.structured.mask(logits, ids)
         token_ids = logits.argmax(dim=-1)
         sampled_rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
         if sampled_rows:
@@ -56,8 +72,10 @@ class Sampler:
             token_ids[rows] = draw(probs, u)
         want_logprobs = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
         out = [SampledToken(int(t)) for t in token_ids.tolist()]
+        for i in constrained:
+            out[i].grammar_done = self.structured.accept(requests[i].request_id, out[i].token_id)
         if want_logprobs:
-            logp = torch.log_softmax(logits[want_logprobs], dim=-1)
+            logp = torch.log_softmax(raw[want_logprobs], dim=-1)
             for j, i in enumerate(want_logprobs):
                 tok = out[i].token_id
                 out[i].logprob = float(logp[j, tok])
@@ -69,6 +87,27 @@ class Sampler:
                 top[tok] = out[i].logprob
                 out[i].top_logprobs = top
         return out
+
+
+def apply_penalties(row: torch.Tensor, request: Request) -> None:
+    """One request's logits [V], in place: its logit bias, then the presence, frequency and repetition
+    penalties over what it has generated (repetition: and its prompt). Token ids past the vocabulary
+    (a bias for the tokenizer's added tokens the model lacks) are ignored."""
+    sp, vocab = request.sampling_params, row.shape[0]
+    if sp.logit_bias:
+        ids = [t for t in sp.logit_bias if t < vocab]
+        if ids:
+            row[torch.tensor(ids)] += torch.tensor([sp.logit_bias[t] for t in ids])
+    outputs = request.output_token_ids
+    if outputs and (sp.presence_penalty or sp.frequency_penalty):
+        counts = torch.bincount(torch.tensor(outputs), minlength=vocab)[:vocab].float()
+        row -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).float()
+    if sp.repetition_penalty != 1.0:
+        seen = torch.zeros(vocab, dtype=torch.bool)
+        ids = torch.tensor(request.all_token_ids)
+        seen[ids[ids < vocab]] = True
+        penalised = torch.where(row > 0, row / sp.repetition_penalty, row * sp.repetition_penalty)
+        row.copy_(torch.where(seen, penalised, row))
 
 
 def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -88,6 +127,11 @@ def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
     vocab = logits.shape[-1]
     top_ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
     top_ps = torch.tensor([p.top_p for p in params])
+    min_ps = torch.tensor([p.min_p for p in params])
+    if (min_ps > 0).any():  # less likely than min_p x the likeliest token: out
+        probs = logits.softmax(dim=-1)
+        floor = min_ps.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < floor, float("-inf"))
     if (top_ks < vocab).any() or (top_ps < 1.0).any():
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab).unsqueeze(0)

@@ -6,14 +6,26 @@ Validated once at construction: every bad value raises ``ValueError`` naming the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from apt_serve_ray.structured import StructuredOutput
 
 
 @dataclass
 class SamplingParams:
     """How to sample one request's output.
 
-    ``temperature=0`` means greedy. ``top_k=0`` or ``-1`` disables top-k; ``top_p=1`` disables top-p.
-    ``seed`` makes sampling reproducible per request, independent of the batch it runs in.
+    ``temperature=0`` means greedy. ``top_k=0`` or ``-1`` disables top-k; ``top_p=1`` disables top-p;
+    ``min_p`` drops tokens less likely than that share of the likeliest one. ``seed`` makes sampling
+    reproducible per request, independent of the batch it runs in.
+
+    Before any of that (greedy too), the logits are adjusted as OpenAI and vLLM define it:
+    ``logit_bias`` ({token id: -100..100}) is added; ``presence_penalty`` (subtracted once from every
+    token already generated) and ``frequency_penalty`` (once per time it was generated), both in
+    [-2, 2]; ``repetition_penalty`` (> 0; 1 is off) divides positive and multiplies negative logits
+    of every token in the prompt or the output. ``logprobs`` report the model's distribution before
+    these adjustments (vLLM's default).
     """
 
     n: int = 1
@@ -29,6 +41,14 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    # The output must match this (``apt_serve_ray.structured``): a JSON schema, any JSON object, a
+    # regular expression or one of some strings. None: free text.
+    structured_output: "StructuredOutput | None" = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -76,6 +96,44 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs)
             if not 0 <= self.logprobs <= 20:
                 raise ValueError(f"logprobs: must be in [0, 20], got {self.logprobs}")
+        _check_number("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p: must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_number(name, value)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name}: must be in [-2, 2], got {value}")
+        _check_number("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise ValueError(f"repetition_penalty: must be in (0, 10], got {self.repetition_penalty}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias: must be a mapping of token ids to biases, got {self.logit_bias!r}")
+            bias = {}
+            for token, value in self.logit_bias.items():
+                if isinstance(token, str) and token.strip().lstrip("-").isdigit():
+                    token = int(token)  # JSON object keys are strings
+                if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                    raise ValueError(f"logit_bias: keys must be token ids (non-negative integers), got {token!r}")
+                _check_number("logit_bias", value)
+                if not -100.0 <= value <= 100.0:
+                    raise ValueError(f"logit_bias: biases must be in [-100, 100], got {value} for token {token}")
+                bias[token] = float(value)
+            self.logit_bias = bias or None
+        if self.structured_output is not None:
+            from apt_serve_ray.structured import StructuredOutput
+
+            if isinstance(self.structured_output, dict):
+                self.structured_output = StructuredOutput(**self.structured_output)
+            if not isinstance(self.structured_output, StructuredOutput):
+                raise ValueError(f"structured_output: must be a StructuredOutput, got {self.structured_output!r}")
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the logits are changed before sampling (a bias or a penalty)."""
+        return bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 \
+            or self.repetition_penalty != 1.0
 
     @property
     def stop_strings(self) -> list[str]:

@@ -58,6 +58,10 @@ class Ticket:
     ttft_slo_s: float
     priority: int = 0
     arrival: float = field(default_factory=time.monotonic)
+    # A replica probably holds its prompt's leading pages and has free pages for the rest: the hold
+    # over the heavy watermark does not keep it (it needs few new pages; refused, it would come back
+    # and compute them all again).
+    passes_hold: bool = False
 
     @property
     def deadline(self) -> float:
@@ -107,7 +111,7 @@ class AdmissionQueue:
 
     def is_held(self, ticket: Ticket) -> bool:
         """Whether the hold keeps ``ticket`` waiting (a more important one than any running passes)."""
-        return self.held and not ticket.priority < self.pass_below
+        return self.held and not ticket.priority < self.pass_below and not ticket.passes_hold
 
     async def acquire(self, ticket: Ticket) -> None:
         if (not self.is_held(ticket) and self.num_in_flight < self.max_in_flight

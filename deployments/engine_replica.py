@@ -182,7 +182,10 @@ class EngineReplica:
         engine_ttft_s = None
         if (first or out.finished) and m is not None and m.first_token_time is not None:
             engine_ttft_s = m.first_token_time - m.arrival_time
-        item = StreamItem(c.delta_text, tuple(c.delta_token_ids), engine_ttft_s=engine_ttft_s)
+        logprobs = None
+        if c.logprobs is not None:  # the whole list so far: the delta's are its last entries
+            logprobs = tuple(c.logprobs[len(c.logprobs) - len(c.delta_token_ids):])
+        item = StreamItem(c.delta_text, tuple(c.delta_token_ids), logprobs=logprobs, engine_ttft_s=engine_ttft_s)
         if first:
             item = dataclasses.replace(item, replica_id=self.replica_id, num_prompt_tokens=len(out.prompt_token_ids))
         if out.finished:

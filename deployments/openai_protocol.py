@@ -2,7 +2,8 @@
 
 Requests are validated strictly (a string is not a number, a float is not an integer) so that every
 bad input becomes a 4xx with ``{"error": {"message", "type", "param", "code"}}`` naming the field.
-Unknown fields are ignored, as vLLM does; known but unsupported ones are refused by name.
+A field this server does not implement is refused by name, never ignored: a client that asks for
+something gets it or a 400 saying it will not (the accepted fields: docs/serving.md).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import time
 from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from apt_serve_ray.structured import StructuredOutput
 
 
 class APIError(ValueError):
@@ -42,6 +45,10 @@ def from_value_error(exc: ValueError) -> APIError:
 
 def from_validation_error(exc: ValidationError) -> APIError:
     first = exc.errors()[0]
+    if first["type"] == "extra_forbidden":
+        path = ".".join(str(p) for p in first["loc"] if isinstance(p, int) or p in _FIELD_NAMES or p == first["loc"][-1])
+        return APIError(f"{path}: unknown field; this server does not implement it (the fields it accepts: "
+                        f"docs/serving.md)", param=path, code="unsupported_field")
     # Pydantic puts the union member that failed ("str", "list[int]") into the location; the
     # client's field is the path of our field names and list indexes.
     parts = [str(p) for p in first["loc"] if isinstance(p, int) or p in _FIELD_NAMES]
@@ -50,19 +57,26 @@ def from_validation_error(exc: ValidationError) -> APIError:
     return APIError(f"{param or 'body'}: {first['msg']}{more}", param=param)
 
 
+MAX_CHOICES = 128  # choices (n x prompts) one request may ask for
+
 # Every integer field within int64: a larger one would overflow the engine's and numpy's arrays.
 Int64 = Annotated[int, Field(ge=-2**63, le=2**63 - 1)]
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
     include_usage: bool = False
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["text", "json_object", "json_schema"]
 
 
 class _SamplingFields(BaseModel):
     """Fields both endpoints share: sampling, streaming, and our extensions."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     model: str
     max_tokens: Int64 | None = None
@@ -83,7 +97,21 @@ class _SamplingFields(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict | None = None
+    # vLLM extensions with the meaning vLLM gives them (``SamplingParams``).
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # OpenAI's stored completions: only "do not store" is something this server does.
+    store: bool | None = None
     user: str | None = None
+    # Structured output: OpenAI's ``response_format`` (json_object, json_schema), vLLM's ``guided_*``
+    # fields and its ``structured_outputs`` object ({"json" | "regex" | "choice": ...}).
+    response_format: ResponseFormat | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    structured_outputs: dict | None = None
     # Extensions: scheduling hints for the SLO-aware scheduler (lower priority value = served earlier).
     # ``service_class`` names one of the app's classes (``service_classes.py``); the other three, when
     # given, override that class's values.
@@ -93,15 +121,11 @@ class _SamplingFields(BaseModel):
     tbt_slo_ms: float | None = None
 
     def check_supported(self) -> None:
-        unsupported = {
-            "presence_penalty": self.presence_penalty != 0.0, "frequency_penalty": self.frequency_penalty != 0.0,
-            "logit_bias": bool(self.logit_bias),
-        }
-        for name, is_set in unsupported.items():
-            if is_set:
-                raise APIError(f"{name}: not supported by this server", param=name)
-        if self.n != 1:
-            raise APIError(f"n: only n=1 is supported, got {self.n}", param="n")
+        if self.store:
+            raise APIError("store: this server does not store completions", param="store")
+        self.structured_output()  # refuses a bad or ambiguous constraint now
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise APIError(f"n: must be in [1, {MAX_CHOICES}], got {self.n}", param="n")
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options: only allowed when stream is true", param="stream_options")
         for name in ("ttft_slo_ms", "tbt_slo_ms"):
@@ -119,7 +143,13 @@ class _SamplingFields(BaseModel):
         config); a field in neither keeps ``SamplingParams``' default."""
         kwargs = {"max_tokens": self.max_tokens if self.max_tokens is not None else default_max_tokens,
                   "min_tokens": self.min_tokens, "seed": self.seed, "stop": self.stop,
-                  "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos}
+                  "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos,
+                  "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                  "repetition_penalty": self.repetition_penalty, "min_p": self.min_p,
+                  "logit_bias": self.logit_bias, "logprobs": self.num_logprobs,
+                  "skip_special_tokens": self.skip_special_tokens,
+                  "include_stop_str_in_output": self.include_stop_str_in_output,
+                  "structured_output": self.structured_output()}
         for name in ("temperature", "top_p", "top_k"):
             value = getattr(self, name)
             if value is None and defaults:
@@ -127,6 +157,56 @@ class _SamplingFields(BaseModel):
             if value is not None:
                 kwargs[name] = value
         return kwargs
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top logprobs to return per token (None: no logprobs)."""
+        return None
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The constraint on the output the request asks for, whichever way it asks; None: free text."""
+        constraint = self._constraint()
+        if constraint is None:
+            return None
+        name, kwargs = constraint
+        try:
+            return StructuredOutput(**kwargs)
+        except (TypeError, ValueError) as exc:
+            raise APIError(f"{name}: {str(exc).removeprefix('structured_output: ')}", param=name) from None
+
+    @property
+    def constraint_field(self) -> str | None:
+        """The field the request gave its output constraint in (the engine's grammar errors name it)."""
+        constraint = self._constraint()
+        return constraint[0] if constraint else None
+
+    def _constraint(self) -> tuple[str, dict] | None:
+        given = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            spec = (rf.model_extra or {}).get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise APIError("response_format: json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": {...}}}",
+                               param="response_format")
+            given.append(("response_format", {"json": spec.get("schema") or {"type": "object"}}))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice")):
+            if getattr(self, name) is not None:
+                given.append((name, {key: getattr(self, name)}))
+        if self.structured_outputs is not None:
+            known = {"json", "json_object", "regex", "choice"}
+            unknown = sorted(set(self.structured_outputs) - known)
+            if unknown:
+                raise APIError(f"structured_outputs: {unknown[0]!r} is not supported (supported: {sorted(known)})",
+                               param="structured_outputs")
+            given.append(("structured_outputs", dict(self.structured_outputs)))
+        if not given:
+            return None
+        if len(given) > 1:
+            raise APIError(f"{given[1][0]}: give one output constraint, not {given[0][0]} and {given[1][0]}",
+                           param=given[1][0])
+        return given[0]
 
     def scheduling_kwargs(self) -> dict:
         """The request's own scheduling hints (not its class's)."""
@@ -140,34 +220,57 @@ class CompletionRequest(_SamplingFields):
     best_of: Int64 | None = None
     suffix: str | None = None
 
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request (a string, ids, or a list of either: several prompts)."""
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError("prompt: only one prompt per request is supported", param="prompt")
-            prompt = prompt[0]
-        if len(prompt) == 0:
-            raise APIError("prompt: must not be empty", param="prompt")
-        return prompt
+        prompts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise APIError("prompt: must not be empty" if len(prompts) == 1 else f"prompt.{i}: must not be empty",
+                               param="prompt")
+        if len(prompts) * self.n > MAX_CHOICES:
+            raise APIError(f"prompt: {len(prompts)} prompts x n={self.n} choices exceed {MAX_CHOICES} per request",
+                           param="prompt")
+        return prompts
 
     def check_supported(self) -> None:
         super().check_supported()
-        for name, is_set in (("echo", self.echo), ("logprobs", self.logprobs is not None),
-                             ("best_of", self.best_of not in (None, 1)), ("suffix", self.suffix is not None)):
+        for name, is_set in (("echo", self.echo), ("best_of", self.best_of not in (None, 1)),
+                             ("suffix", self.suffix is not None)):
             if is_set:
                 raise APIError(f"{name}: not supported by this server", param=name)
 
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
     type: Literal["text"]
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
+    name: str | None = None  # a participant's name: accepted (OpenAI's), not shown to the model
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -177,30 +280,96 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments
+    strict: bool | None = None  # the arguments always match ``parameters`` here (a grammar constrains them)
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int64 | None = None
     logprobs: bool = False
-    tools: list | None = None
+    top_logprobs: Int64 | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool | None = None
+    # vLLM extensions for the chat template.
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict | None = None
 
     def check_supported(self) -> None:
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise APIError("top_logprobs: needs logprobs true", param="top_logprobs")
+            if not 0 <= self.top_logprobs <= 20:
+                raise APIError(f"top_logprobs: must be in [0, 20], got {self.top_logprobs}", param="top_logprobs")
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise APIError("tools: function names must be unique", param="tools")
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not self.tools:
+            raise APIError("tool_choice: needs tools", param="tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise APIError(f"tool_choice: no tool is named {choice.function.name!r}", param="tool_choice")
+        if self.calls_tools and self.tool_choice_forces and self._constraint() is not None:
+            raise APIError("tool_choice: a required or named tool call constrains the output; give no "
+                           "response_format or guided_* with it", param="tool_choice")
         super().check_supported()
-        if self.logprobs:
-            raise APIError("logprobs: not supported by this server", param="logprobs")
-        if self.tools:
-            raise APIError("tools: tool calling is not supported by this server", param="tools")
+
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise APIError("max_completion_tokens: give max_tokens or max_completion_tokens, not both",
                            param="max_completion_tokens")
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
 
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def calls_tools(self) -> bool:
+        """The model may call tools: tools given, and ``tool_choice`` not "none"."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def tool_choice_forces(self) -> bool:
+        """``tool_choice`` "required" or a named function: the output is a call, under a grammar."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+
+    def structured_output(self) -> StructuredOutput | None:
+        if self.calls_tools and self.tool_choice_forces:
+            from deployments.tools import forced_calls_constraint
+
+            return forced_calls_constraint(self.tools, self.tool_choice, self.parallel_tool_calls is not False)
+        return super().structured_output()
+
     def conversation(self) -> list[dict]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
 
 _FIELD_NAMES = frozenset().union(*(m.model_fields for m in (
-    CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions)))
+    CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions, ResponseFormat, Tool,
+    FunctionDefinition, ToolCall, FunctionCall, NamedToolChoice, NamedFunction)))
 
 
 def parse_request(cls: type[_SamplingFields], raw: bytes | dict) -> _SamplingFields:
@@ -246,23 +415,28 @@ def finish_reason(engine_reason: str | None) -> str | None:
     return {"abort": "abort", "error": "error"}.get(engine_reason, engine_reason)
 
 
-def completion(request_id: str, model: str, text: str, reason: str | None, usage_: dict, *,
-               chat: bool, created: int | None = None, token_ids: dict | None = None) -> dict:
-    """``token_ids``: {"prompt_token_ids", "token_ids"} for the choice (``return_token_ids``)."""
+def completion(request_id: str, model: str, text: str | None, reason: str | None, usage_: dict, *,
+               chat: bool, created: int | None = None, token_ids: dict | None = None,
+               logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
+    """``token_ids``: {"prompt_token_ids", "token_ids"} for the choice (``return_token_ids``);
+    ``logprobs``: the choice's (``logprobs_object``); ``tool_calls``: the assistant's calls (chat)."""
     created = created or int(time.time())
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": reason, **(token_ids or {})}
+        message = {"role": "assistant", "content": text}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason, **(token_ids or {})}
         return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
                 "choices": [choice], "usage": usage_}
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason, **(token_ids or {})}
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason, **(token_ids or {})}
     return {"id": request_id, "object": "text_completion", "created": created, "model": model,
             "choices": [choice], "usage": usage_}
 
 
 def chunk(request_id: str, model: str, created: int, *, chat: bool, text: str | None = None,
           reason: str | None = None, role: bool = False, usage_: dict | None = None,
-          include_usage: bool = False, token_ids: dict | None = None) -> dict:
+          include_usage: bool = False, token_ids: dict | None = None, logprobs: dict | None = None,
+          tool_calls: list[dict] | None = None) -> dict:
     """One streamed event. ``text=None`` with ``usage_`` set is the usage-only final chunk.
     ``token_ids``: fields for the choice (``return_token_ids``)."""
     if chat:
@@ -272,6 +446,8 @@ def chunk(request_id: str, model: str, created: int, *, chat: bool, text: str | 
         else:
             delta = {"role": "assistant", "content": text or ""} if role else (
                 {"content": text} if text else {})
+            if tool_calls:  # each call whole, in one delta (name and all its arguments)
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
             choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]
     else:
         obj = "text_completion"
@@ -279,10 +455,34 @@ def chunk(request_id: str, model: str, created: int, *, chat: bool, text: str | 
             {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}]
     if token_ids and choices:
         choices[0].update(token_ids)
+    if logprobs is not None and choices:
+        choices[0]["logprobs"] = logprobs
     out = {"id": request_id, "object": obj, "created": created, "model": model, "choices": choices}
     if include_usage:
         out["usage"] = usage_
     return out
+
+
+def logprobs_object(token_ids, logprobs, num_top: int, token_text, *, chat: bool, offset: int = 0) -> dict:
+    """A choice's ``logprobs`` for ``token_ids`` and their engine logprobs ({token id: logprob} per
+    token, the sampled one's among them): chat's ``{"content": [{token, logprob, bytes,
+    top_logprobs}]}`` or completions' ``{tokens, token_logprobs, top_logprobs, text_offset}``
+    (offsets from ``offset``, the characters of text before these tokens). ``token_text``: id -> text."""
+    entries = []
+    for token, top in zip(token_ids, logprobs):
+        best = sorted(top.items(), key=lambda kv: -kv[1])[:num_top]
+        entries.append((token_text(token), top.get(token, float("-inf")), [(token_text(t), lp) for t, lp in best]))
+    if chat:
+        return {"content": [
+            {"token": text, "logprob": lp, "bytes": list(text.encode()),
+             "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in best]}
+            for text, lp, best in entries]}
+    offsets = []
+    for text, _, _ in entries:
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": [text for text, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
+            "top_logprobs": [dict(best) for _, _, best in entries], "text_offset": offsets}
 
 
 def sse(payload: dict | str) -> str:

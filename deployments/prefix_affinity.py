@@ -71,3 +71,36 @@ class PrefixIndex:
 
     def num_blocks(self, replica: Hashable) -> int:
         return len(self._blocks.get(replica, ()))
+
+
+_PROCESS_INDEX: PrefixIndex | None = None
+
+
+def process_index(block_tokens: int = 16) -> PrefixIndex:
+    """The index of this process: the request router records into it, and the router's admission
+    reads it (``fits_beside_cached_prefix``). One per process (the Router replica's)."""
+    global _PROCESS_INDEX
+    if _PROCESS_INDEX is None:
+        _PROCESS_INDEX = PrefixIndex(block_tokens)
+    return _PROCESS_INDEX
+
+
+def fits_beside_cached_prefix(index: PrefixIndex | None, reports, prompt: list[int], num_pages: int) -> bool:
+    """Whether a replica probably holds this prompt's leading pages and has free pages for the rest
+    of the request (``num_pages`` with its whole prompt): then admitting it costs only those, however
+    full the cluster is. ``reports``: the replicas' ``LoadReport``s (their ``replica_id`` is the
+    index's key's ``unique_id``)."""
+    if index is None or not prompt or not isinstance(prompt, list):
+        return False
+    hashes = index.block_hashes(prompt)
+    if not hashes:
+        return False
+    by_id = {getattr(key, "unique_id", key): key for key in index._blocks}
+    for report in reports:
+        key = by_id.get(report.replica_id)
+        if key is None:
+            continue
+        matched = index.match(key, hashes)
+        if matched and num_pages - matched <= report.num_free_pages - report.num_pending_pages:
+            return True
+    return False

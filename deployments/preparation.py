@@ -12,9 +12,11 @@ then ``SamplingParams``' own.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Callable
 
 from apt_serve_ray import SamplingParams
 from apt_serve_ray.llm import apply_chat_template
@@ -22,6 +24,7 @@ from deployments import openai_protocol as oai
 from deployments.admission import Ticket
 from deployments.request_router import request_pages
 from deployments.service_classes import ServiceClasses
+from deployments.tools import render as render_tools, template_knows_tools
 from deployments.wire import EngineRequest, LoadReport
 
 
@@ -49,6 +52,16 @@ class Prepared:
     ticket: Ticket
     created: int = field(default_factory=lambda: int(time.time()))  # the response's ``created``
     received: float = field(default_factory=time.monotonic)  # when validation began (monotonic)
+    token_text: Callable[[int], str] | None = None  # one token's text (logprobs)
+    # n > 1, or several prompts: this is choice ``index``; the others follow it, each a request of its
+    # own to the engines (``request_id``-``index``), with the prompt's index (usage counts it once).
+    index: int = 0
+    prompt_index: int = 0
+    siblings: tuple["Prepared", ...] = ()
+
+    @property
+    def choices(self) -> list["Prepared"]:
+        return [self, *self.siblings]
 
 
 class RequestPreparer:
@@ -72,30 +85,47 @@ class RequestPreparer:
                                f"`{self.served_model_name}`", status=404, param="model", code="model_not_found")
         service_class = self.service_classes.choose(body.service_class, service_class_header)
         try:
-            prompt_ids = self.tokenize(body, chat)
-        except ValueError as exc:
-            raise oai.from_value_error(exc) from None
-        room = self.check_context(body, chat, len(prompt_ids), limits.max_model_len)
-        # Chat defaults to the rest of the context, completions to 16 tokens (as OpenAI does).
-        sampling = body.sampling_kwargs(default_max_tokens=room if chat else min(16, room),
-                                        defaults=self.sampling_defaults)
-        try:
-            params = SamplingParams(**sampling)
+            prompts = self.tokenize_all(body, chat)
         except ValueError as exc:
             raise oai.from_value_error(exc) from None
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         scheduling = self.service_classes.scheduling(service_class, body.scheduling_kwargs())
-        request = EngineRequest(prompt_ids, params, request_id, service_class=service_class,
-                                session_id=session_header or body.user, **scheduling)
-        ttft_s = request.ttft_slo_ms / 1000.0 if request.ttft_slo_ms else self.default_ttft_slo_s
-        ticket = Ticket(request_pages(request, limits.tokens_per_page, self.horizon), ttft_s, request.priority or 0)
-        return Prepared(body, chat, request_id, request, ticket, received=received)
+        choices = []
+        for j, prompt_ids in enumerate(prompts):
+            room = self.check_context(body, chat, len(prompt_ids), limits.max_model_len)
+            # Chat defaults to the rest of the context, completions to 16 tokens (as OpenAI does).
+            sampling = body.sampling_kwargs(default_max_tokens=room if chat else min(16, room),
+                                            defaults=self.sampling_defaults)
+            for i in range(body.n):
+                if i and sampling.get("seed") is not None:
+                    sampling = {**sampling, "seed": sampling["seed"] + 1}  # seeded choices differ
+                try:
+                    params = SamplingParams(**sampling)
+                except ValueError as exc:
+                    raise oai.from_value_error(exc) from None
+                index = j * body.n + i
+                rid = request_id if len(prompts) * body.n == 1 else f"{request_id}-{index}"
+                request = EngineRequest(prompt_ids, params, rid, service_class=service_class,
+                                        session_id=session_header or body.user, **scheduling)
+                ttft_s = request.ttft_slo_ms / 1000.0 if request.ttft_slo_ms else self.default_ttft_slo_s
+                ticket = Ticket(request_pages(request, limits.tokens_per_page, self.horizon), ttft_s,
+                                request.priority or 0)
+                choices.append(Prepared(body, chat, request_id, request, ticket, received=received,
+                                        token_text=self.token_text, index=index, prompt_index=j))
+        if len(choices) == 1:
+            return choices[0]
+        return dataclasses.replace(choices[0], siblings=tuple(choices[1:]))
 
-    def tokenize(self, body, chat: bool) -> list[int]:
+    def token_text(self, token_id: int) -> str:
+        """One token's text, as logprobs show it (special tokens included)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def tokenize_all(self, body, chat: bool) -> list[list[int]]:
         if chat:
-            return apply_chat_template(self.tokenizer, body.conversation())
-        prompt = body.single_prompt()
-        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            messages, tools = render_tools(body, template_knows_tools(self.tokenizer))
+            return [apply_chat_template(self.tokenizer, messages, body.add_generation_prompt,
+                                        body.chat_template_kwargs, tools)]
+        return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
 
     @staticmethod
     def check_context(body, chat: bool, num_prompt: int, max_len: int) -> int:

@@ -42,7 +42,7 @@ from typing import List, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from deployments.prefix_affinity import PrefixIndex
+from deployments.prefix_affinity import process_index
 from deployments.wire import EngineRequest, LoadReport
 
 IN_TRANSIT_S = 0.05  # a request routed this long before a snapshot may not have reached the replica yet
@@ -64,7 +64,7 @@ class FitAwareRequestRouter(RequestRouter):
         self.default_tokens_per_page = default_tokens_per_page
         self.affinity_slack = affinity_slack
         self.routed: dict[ReplicaID, dict[str, tuple[float, int]]] = {}  # replica -> {request: (at, pages)}
-        self.prefixes = PrefixIndex(default_tokens_per_page)
+        self.prefixes = process_index(default_tokens_per_page)  # the router's admission reads it too
 
     async def choose_replicas(
         self, candidate_replicas: List[RunningReplica], pending_request: Optional[PendingRequest] = None,

@@ -52,6 +52,7 @@ from deployments.admission import ADMISSION_WEIGHTS, AdmissionQueue, QueueFull
 from deployments.affinity import keep_off_engine_cpus
 from deployments.metrics import RouterMetrics, make_backend, snapshot
 from deployments.request_body import MAX_REQUEST_BODY_BYTES, read_body
+from deployments.prefix_affinity import fits_beside_cached_prefix, process_index
 from deployments.preparation import ModelLimits, Prepared, RequestPreparer
 from deployments.service_classes import DEFAULT_SERVICE_CLASS, HEADER, SERVICE_CLASSES, ServiceClass, ServiceClasses
 from deployments.streaming import coalesced
@@ -194,18 +195,32 @@ class Router:
             self._refuse_if_saturated()
             body = await read_body(request, self.options.max_request_body_bytes)
             prepared = await self.prepare(body, chat, request.headers.get(HEADER), request.headers.get(SESSION_HEADER))
-            items = self._generate(prepared)
-            first = await anext(items)
+            opened = await self._open(prepared)
         except oai.APIError as exc:
             return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
-        headers = {"x-request-id": prepared.request_id, "x-replica-id": str(first.replica_id)}
+        headers = {"x-request-id": prepared.request_id, "x-replica-id": str(opened[0][1].replica_id)}
         if prepared.body.stream:
-            return StreamingResponse(responses.sse(prepared, first, items), media_type="text/event-stream",
+            return StreamingResponse(responses.sse(opened), media_type="text/event-stream",
                                      headers={**headers, "Cache-Control": "no-cache"})
         try:
-            return JSONResponse(await responses.collect(prepared, first, items), headers=headers)
+            return JSONResponse(await responses.collect(opened), headers=headers)
         except oai.APIError as exc:
             return JSONResponse(exc.body(), status_code=exc.status, headers={**headers, **exc.headers()})
+
+    async def _open(self, prepared: Prepared) -> list[tuple[Prepared, StreamItem, object]]:
+        """Each choice's engine stream and first item (n > 1 and several prompts: one engine request
+        per choice, all admitted at once); APIError, with every stream closed, if any is refused."""
+        streams = [(choice, self._generate(choice)) for choice in prepared.choices]
+        firsts = await asyncio.gather(*(anext(items) for _, items in streams), return_exceptions=True)
+        failed = next((f for f in firsts if isinstance(f, BaseException)), None)
+        if failed is not None:
+            for (_, items), first in zip(streams, firsts):
+                if not isinstance(first, BaseException):
+                    await items.aclose()
+            if isinstance(failed, StopAsyncIteration):
+                raise oai.APIError("the engine stream ended without a first item", status=500, type="server_error")
+            raise failed
+        return [(choice, first, items) for (choice, items), first in zip(streams, firsts)]
 
     # Python handle API ----------------------------------------------------------------------------
     async def completions(self, body: dict) -> dict:
@@ -227,13 +242,11 @@ class Router:
 
     async def _handle_call(self, body: dict, chat: bool) -> dict:
         prepared = await self.prepare({**body, "stream": False}, chat)
-        items = self._generate(prepared)
-        return await responses.collect(prepared, await anext(items), items)
+        return await responses.collect(await self._open(prepared))
 
     async def _handle_stream(self, body: dict, chat: bool):
         prepared = await self.prepare({**body, "stream": True}, chat)
-        items = self._generate(prepared)
-        async for payload in responses.chunks(prepared, await anext(items), items):
+        async for payload in responses.chunks(await self._open(prepared)):
             if "error" in payload:
                 raise oai.APIError(payload["error"]["message"], status=500, type=payload["error"]["type"])
             yield payload
@@ -362,7 +375,11 @@ class Router:
         """Engine items for one request, after admission. Raises APIError before the first item."""
         if self.refuses_at_once():
             raise self._closed()
-        await self._acquire(prepared.ticket)
+        ticket = prepared.ticket
+        if self.admission.is_held(ticket) and self.link.state is not None:
+            ticket.passes_hold = fits_beside_cached_prefix(
+                process_index(), self.link.state.replicas.values(), request.prompt, ticket.num_pages)
+        await self._acquire(ticket)
         admitted = time.monotonic()
         if span is not None:
             span.add_event("admitted")
@@ -373,7 +390,10 @@ class Router:
             async with contextlib.aclosing(coalesced(stream, StreamItem.merge)) as items:
                 async for item in items:
                     if isinstance(item, InvalidRequest):
-                        raise oai.from_value_error(ValueError(item.message))
+                        message, field = item.message, prepared.body.constraint_field
+                        if field and message.startswith("structured_output:"):  # the client's name for it
+                            message = field + message.removeprefix("structured_output")
+                        raise oai.from_value_error(ValueError(message))
                     if not started:
                         now = time.monotonic()
                         self.metrics.first_token(now - prepared.received, item.engine_ttft_s, request.service_class)

@@ -75,6 +75,9 @@ class StreamItem:
 
     text: str
     token_ids: tuple[int, ...] = ()
+    # Where the request asked for logprobs: per token of ``token_ids``, the top ones ({token id:
+    # logprob}, the sampled token's among them).
+    logprobs: tuple[dict[int, float], ...] | None = None
     # The first item.
     replica_id: str | None = None
     num_prompt_tokens: int | None = None
@@ -103,9 +106,10 @@ class StreamItem:
             return items[0]
         first, last = items[0], items[-1]
         extras = {f.name: getattr(last, f.name) if getattr(last, f.name) is not None else getattr(first, f.name)
-                  for f in dataclasses.fields(StreamItem) if f.name not in ("text", "token_ids")}
+                  for f in dataclasses.fields(StreamItem) if f.name not in ("text", "token_ids", "logprobs")}
+        logprobs = None if first.logprobs is None else tuple(lp for item in items for lp in item.logprobs or ())
         return StreamItem(text="".join(item.text for item in items),
-                          token_ids=tuple(t for item in items for t in item.token_ids), **extras)
+                          token_ids=tuple(t for item in items for t in item.token_ids), logprobs=logprobs, **extras)
 
 
 @dataclass(frozen=True)

@@ -47,19 +47,63 @@ def test_smollm2_matches_transformers(smollm2):
     _check_against_hf(smollm2, _hf(src.directory, src.gguf_file), num_tokens=16)
 
 
-@pytest.mark.parametrize("shape", ["opt-tiny", "llama-tiny", "llama-tiny-gqa"])
+NEW_ARCHITECTURES = ["qwen2-tiny", "qwen3-tiny", "qwen3-tiny-gqa", "mistral-tiny", "phi3-tiny"]
+
+
+@pytest.mark.parametrize("shape", ["opt-tiny", "llama-tiny", "llama-tiny-gqa", *NEW_ARCHITECTURES])
 def test_random_checkpoints_match_transformers(checkpoint, shape):
     path = checkpoint(shape)
     llm = LLM(path, dtype="float32", num_pages=256, max_num_batched_tokens=128)
     _check_against_hf(llm, _hf(path), num_tokens=24)
 
 
-def test_bfloat16_stays_close_to_transformers(opt_tiny):
+@pytest.mark.parametrize("shape", NEW_ARCHITECTURES)
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_new_architectures_hidden_and_int8_kinds_match_kv(checkpoint, shape, backend):
+    """The hidden kind projects K/V from stored x as the model does (Qwen3's k norm, Phi-3's partial
+    rotary, the biases) at the tokens' positions; the int8 kinds stay within their bound."""
+    kw = dict(dtype="float32", num_pages=256, attention_backend=backend, force_hidden=True, policy="sarathi",
+              enable_watermarks=False, calibrate_rho=False)
+    engine = LLM(checkpoint(shape), cache_kinds=["hidden", "kv-int8", "hidden-int8"], **kw).llm_engine
+    ids = engine.tokenizer.encode(LONG)[:200]
+    kv = engine.prompt_logits(ids, "kv")
+    torch.testing.assert_close(engine.prompt_logits(ids, "hidden"), kv, atol=1e-4, rtol=0)
+    for kind in ("kv-int8", "hidden-int8"):
+        assert (engine.prompt_logits(ids, kind) - kv).abs().max() < 0.15 * kv.std(), kind
+    # Decode rows (the fused hidden kernels where the projection allows) against the KV cache.
+    prompts = [LONG[:200], PROMPTS[0]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm = LLM(checkpoint(shape), cache_kinds=["hidden"], **kw)  # sarathi: new requests hidden under the ratio
+    llm.adjust_cache_ratio(1.0)
+    hidden = llm.generate(prompts, params)
+    llm.adjust_cache_ratio(0.0)
+    kv_out = llm.generate(prompts, params)
+    assert {o.metrics.cache_kind for o in hidden} == {"hidden"} and {o.metrics.cache_kind for o in kv_out} == {"kv"}
+    assert [o.outputs[0].token_ids for o in hidden] == [o.outputs[0].token_ids for o in kv_out]
+
+
+def test_a_sliding_window_caps_the_context_where_attention_is_exact(checkpoint):
+    path = checkpoint("mistral-tiny")  # window 1024 of 2048 positions
+    assert LLM(path, dtype="float32", num_pages=256).llm_engine.max_model_len == 1024
+    with pytest.raises(ValueError, match="max_model_len: 1500 exceeds the model's attention window 1024"):
+        LLM(path, dtype="float32", num_pages=256, max_model_len=1500)
+
+
+def test_an_unsupported_architecture_is_refused_naming_the_supported_ones():
+    from apt_serve_ray.models import model_class
+
+    with pytest.raises(ValueError, match=r"unsupported architecture 'gpt2'; supported: .*'phi3', 'qwen2', 'qwen3'"):
+        model_class("gpt2")
+
+
+@pytest.mark.parametrize("shape", ["opt-tiny", *NEW_ARCHITECTURES])
+def test_bfloat16_stays_close_to_transformers(checkpoint, shape):
     """bf16 cannot match bit for bit (different op order); logits stay within bf16 noise."""
     from transformers import AutoModelForCausalLM
 
-    llm = LLM(opt_tiny, dtype="bfloat16", num_pages=64)
-    hf = AutoModelForCausalLM.from_pretrained(opt_tiny, dtype=torch.bfloat16).eval()
+    path = checkpoint(shape)
+    llm = LLM(path, dtype="bfloat16", num_pages=64)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     ids = llm.get_tokenizer().encode(PROMPTS[0] + " and the capital of Spain is")
     ours = llm.llm_engine.prompt_logits(ids)
     with torch.no_grad():

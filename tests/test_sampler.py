@@ -42,3 +42,67 @@ def test_sampling_a_full_vocabulary_matches_multinomial_in_distribution():
 def test_a_uniform_number_that_rounds_up_to_the_total_still_lands_on_a_token_with_mass():
     probs = torch.tensor([[0.0, 0.25, 0.75, 0.0, 0.0]])
     assert draw(probs, torch.tensor([1.0])).item() == 2
+
+
+# Logit adjustments: bias and penalties (OpenAI's and vLLM's definitions), min-p ---------------------
+def _request(prompt, outputs, **params):
+    from apt_serve_ray import SamplingParams
+    from apt_serve_ray.request import Request
+
+    r = Request("r", list(prompt), SamplingParams(**params), max_total_tokens=1000, ttft_slo_ms=1e3, tbt_slo_ms=1e3)
+    for t in outputs:
+        r.output_token_ids.append(t)
+        r.all_token_ids.append(t)
+    return r
+
+
+def test_penalties_and_bias_follow_their_definitions():
+    from apt_serve_ray.sampler import apply_penalties
+
+    logits = torch.tensor([1.0, -1.0, 2.0, 0.5, -0.5, 3.0])
+    r = _request([0, 1], [2, 2, 3], presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0,
+                 logit_bias={4: 10.0, 5: -100.0})
+    row = logits.clone()
+    apply_penalties(row, r)
+    counts = torch.tensor([0, 0, 2, 1, 0, 0.0])
+    expected = logits + torch.tensor([0, 0, 0, 0, 10.0, -100.0])  # bias first
+    expected = expected - 0.25 * counts - 0.5 * (counts > 0).float()  # output tokens only
+    seen = torch.tensor([1, 1, 1, 1, 0, 0], dtype=torch.bool)  # prompt and output: repetition
+    expected = torch.where(seen, torch.where(expected > 0, expected / 2.0, expected * 2.0), expected)
+    torch.testing.assert_close(row, expected)
+
+
+def test_greedy_sees_the_adjusted_logits_and_logprobs_the_models():
+    from apt_serve_ray.sampler import Sampler
+
+    logits = torch.tensor([[0.0, 5.0, 4.0, -1.0]])
+    plain = _request([0], [], temperature=0, logprobs=1)
+    biased = _request([0], [], temperature=0, logprobs=1, logit_bias={1: -100.0})
+    out = Sampler(0).sample(logits.repeat(2, 1), [plain, biased])
+    assert out[0].token_id == 1 and out[1].token_id == 2
+    model = torch.log_softmax(logits[0], -1)
+    assert abs(out[1].logprob - float(model[2])) < 1e-6  # the model's distribution, before the bias
+
+
+def test_min_p_keeps_only_tokens_near_the_likeliest():
+    from apt_serve_ray.sampler import _filtered_probs
+    from apt_serve_ray import SamplingParams
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    probs = _filtered_probs(logits, [SamplingParams(min_p=0.5)])  # floor 0.25
+    assert torch.equal(probs[0] > 0, torch.tensor([True, True, False, False]))
+    torch.testing.assert_close(probs[0, :2], torch.tensor([0.625, 0.375]))
+
+
+def test_bad_adjustments_are_refused_naming_the_field():
+    import pytest
+
+    from apt_serve_ray import SamplingParams
+
+    for kwargs, field in (({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": "x"},
+                          "frequency_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
+                          ({"min_p": 1.5}, "min_p"), ({"logit_bias": {"-3": 1}}, "logit_bias"),
+                          ({"logit_bias": {5: 101}}, "logit_bias"), ({"logit_bias": [1]}, "logit_bias")):
+        with pytest.raises(ValueError, match=f"^{field}:"):
+            SamplingParams(**kwargs)
+    assert SamplingParams(logit_bias={"7": -1}).logit_bias == {7: -1.0}

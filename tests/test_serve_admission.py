@@ -267,3 +267,32 @@ def test_admission_fairness_penalty_is_validated_and_is_the_engines():
     with pytest.raises(ValueError, match="fairness_penalty"):
         AdmissionQueue(1, 1, fairness_penalty=0.0)
     assert AdmissionQueue(1, 1).fairness_penalty == AdaptiveScheduler().fairness_penalty
+
+
+@pytest.mark.asyncio
+async def test_a_hold_lets_through_a_request_whose_prefix_a_replica_holds_with_room_for_the_rest():
+    # Over the heavy watermark a conversation's next turn needs only its new pages where its history is
+    # cached; held, it would wait out its TTFT target, get a 503 and come back to compute it all again
+    # (issue 27: every miss of the multi-turn trace at 0.3 sessions/s was such a 503).
+    from collections import namedtuple
+
+    from deployments.prefix_affinity import PrefixIndex, fits_beside_cached_prefix
+
+    ReplicaKey = namedtuple("ReplicaKey", "unique_id")  # as Serve's ReplicaID: hashable, with its unique_id
+    from serve_helpers import load_report
+
+    index = PrefixIndex(16)
+    history = list(range(1000, 1000 + 640))  # 40 pages
+    replica = ReplicaKey("a")
+    index.record(replica, index.block_hashes(history))
+    turn = history + list(range(5, 85))  # 80 new tokens: 45 pages with its output horizon
+    reports = [load_report(replica_id="b", num_free_pages=100), load_report(replica_id="a", num_free_pages=6)]
+    assert fits_beside_cached_prefix(index, reports, turn, num_pages=46)  # 6 new pages on "a"
+    assert not fits_beside_cached_prefix(index, reports, turn, num_pages=47)
+    assert not fits_beside_cached_prefix(index, [load_report(replica_id="a", num_free_pages=6, num_pending_pages=1)],
+                                         turn, num_pages=46)  # pages promised to others count
+    assert not fits_beside_cached_prefix(index, reports, list(range(5, 700)), num_pages=46)  # nothing cached
+    queue = AdmissionQueue(max_in_flight=4, max_queued=4)
+    queue.hold(True)
+    await asyncio.wait_for(queue.acquire(Ticket(46, 2.0, passes_hold=True)), 1.0)
+    assert queue.num_in_flight == 1 and queue.is_held(Ticket(46, 2.0))

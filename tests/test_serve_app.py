@@ -9,6 +9,7 @@ killing a replica) run last and wait for it to settle.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import threading
 import time
@@ -221,6 +222,125 @@ def test_openai_client(serve_url, app):
         oc.completions.create(model="no-such-model", prompt="x")
 
 
+def test_openai_client_logprobs_n_several_prompts_and_penalties(serve_url, app):
+    import openai
+
+    oc = openai.OpenAI(base_url=serve_url + "/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "Name three colours"}]
+    # Chat logprobs: the chosen token's and the top ones, sorted; greedy picks the likeliest.
+    chat = oc.chat.completions.create(model=app, messages=messages, max_tokens=6, temperature=0, logprobs=True,
+                                      top_logprobs=3, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 6
+    for c in content:
+        tops = [t.logprob for t in c.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True) and c.logprob == tops[0] <= 0
+    stream = oc.chat.completions.create(model=app, messages=messages, max_tokens=6, temperature=0, logprobs=True,
+                                        top_logprobs=3, stream=True, extra_body={"ignore_eos": True})
+    streamed = [c for chunk in stream for choice in chunk.choices if choice.logprobs for c in choice.logprobs.content]
+    assert [(c.token, round(c.logprob, 4)) for c in streamed] == [(c.token, round(c.logprob, 4)) for c in content]
+    # Completion logprobs, n = 2 sampled with a seed (the two differ, each reproducible), two prompts.
+    done = oc.completions.create(model=app, prompt="Once upon a time", max_tokens=5, logprobs=2,
+                                 extra_body={"ignore_eos": True})
+    lp = done.choices[0].logprobs
+    assert len(lp.tokens) == 5 and len(lp.top_logprobs[0]) == 2 and lp.text_offset[0] == 0
+    two = oc.completions.create(model=app, prompt="Once upon a time", max_tokens=8, n=2, temperature=1.0, seed=3,
+                                extra_body={"ignore_eos": True})
+    again = oc.completions.create(model=app, prompt="Once upon a time", max_tokens=8, n=2, temperature=1.0, seed=3,
+                                  extra_body={"ignore_eos": True})
+    assert [c.index for c in two.choices] == [0, 1] and two.choices[0].text != two.choices[1].text
+    assert [c.text for c in two.choices] == [c.text for c in again.choices]
+    assert two.usage.completion_tokens == 16 and two.usage.prompt_tokens == done.usage.prompt_tokens
+    many = oc.completions.create(model=app, prompt=["Once upon a time", "The capital of France"], max_tokens=4,
+                                 n=2, temperature=0, extra_body={"ignore_eos": True})
+    assert [c.index for c in many.choices] == [0, 1, 2, 3]
+    assert many.choices[0].text == many.choices[1].text == done.choices[0].text[:len(many.choices[0].text)]
+    streamed = oc.chat.completions.create(model=app, messages=messages, max_tokens=5, n=2, temperature=1.0, seed=5,
+                                          stream=True, stream_options={"include_usage": True},
+                                          extra_body={"ignore_eos": True})
+    texts, usage = {0: "", 1: ""}, None
+    for chunk in streamed:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+        usage = chunk.usage or usage
+    assert texts[0] and texts[1] and usage.completion_tokens == 10
+    # Penalties and a logit bias change what greedy decoding picks.
+    plain = oc.completions.create(model=app, prompt="Once upon a time", max_tokens=12, temperature=0,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    ids = plain.choices[0].model_extra["token_ids"]
+    banned = oc.completions.create(model=app, prompt="Once upon a time", max_tokens=12, temperature=0,
+                                   logit_bias={str(ids[0]): -100}, extra_body={"ignore_eos": True,
+                                                                                "return_token_ids": True})
+    assert banned.choices[0].model_extra["token_ids"][0] != ids[0]
+    penalised = oc.completions.create(model=app, prompt="Once upon a time", max_tokens=12, temperature=0,
+                                      frequency_penalty=2.0, presence_penalty=2.0,
+                                      extra_body={"ignore_eos": True, "repetition_penalty": 1.5,
+                                                  "return_token_ids": True})
+    out = penalised.choices[0].model_extra["token_ids"]
+    assert len(set(out)) >= len(set(ids)) and out != ids
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
+                                                    "unit": {"enum": ["C", "F"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+
+
+def test_openai_client_structured_output_and_a_tool_round_trip(serve_url, app):
+    import jsonschema
+    import openai
+
+    oc = openai.OpenAI(base_url=serve_url + "/v1", api_key="unused", max_retries=0)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"], "additionalProperties": False}
+    for stream in (False, True):
+        kwargs = dict(model=app, messages=[{"role": "user", "content": "A person as JSON"}], max_tokens=60,
+                      temperature=0.7, seed=2,
+                      response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema,
+                                                                              "strict": True}})
+        if stream:
+            text = "".join(c.choices[0].delta.content or "" for c in oc.chat.completions.create(stream=True, **kwargs)
+                           if c.choices)
+        else:
+            text = oc.chat.completions.create(**kwargs).choices[0].message.content
+        jsonschema.validate(json.loads(text), schema)
+    done = oc.completions.create(model=app, prompt="Yes or no?", max_tokens=5, temperature=1.0,
+                                 extra_body={"guided_choice": ["yes", "no"]})
+    assert done.choices[0].text in ("yes", "no") and done.choices[0].finish_reason == "stop"
+    done = oc.completions.create(model=app, prompt="A code:", max_tokens=12,
+                                 extra_body={"structured_outputs": {"regex": "[A-Z]{2}-[0-9]{3}"}})
+    assert re.fullmatch("[A-Z]{2}-[0-9]{3}", done.choices[0].text)
+
+    # A tool round trip: the named call (arguments under the function's schema), its result, a reply.
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = oc.chat.completions.create(model=app, messages=messages, tools=[WEATHER], max_tokens=60,
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    message = first.choices[0].message
+    assert first.choices[0].finish_reason == "tool_calls" and message.content is None
+    (call,) = message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    messages += [message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"}]
+    reply = oc.chat.completions.create(model=app, messages=messages, tools=[WEATHER], tool_choice="none",
+                                       max_tokens=8, extra_body={"ignore_eos": True})
+    assert reply.choices[0].message.content and not reply.choices[0].message.tool_calls
+    # "required", streamed: the calls arrive as tool_calls deltas the client assembles.
+    calls: dict[int, dict] = {}
+    for chunk in oc.chat.completions.create(model=app, messages=messages[:1], tools=[WEATHER], tool_choice="required",
+                                            max_tokens=120, stream=True, parallel_tool_calls=False):
+        for choice in chunk.choices:
+            for delta in choice.delta.tool_calls or ():
+                entry = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+                entry["name"] += delta.function.name or ""
+                entry["arguments"] += delta.function.arguments or ""
+            last_reason = choice.finish_reason or None
+    assert list(calls) == [0] and calls[0]["name"] == "get_weather" and last_reason == "tool_calls"
+    jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER["function"]["parameters"])
+
+
 def test_python_handles(app):
     from ray import serve
 
@@ -274,7 +394,18 @@ BAD_REQUESTS = [
     ("top_p above 1", "/v1/completions", {"model": "{m}", "prompt": "x", "top_p": 1.5}, 400, "top_p"),
     ("top_p zero", "/v1/chat/completions", {"model": "{m}", "messages": [{"role": "user", "content": "x"}],
                                             "top_p": 0}, 400, "top_p"),
-    ("n > 1", "/v1/completions", {"model": "{m}", "prompt": "x", "n": 3}, 400, "n"),
+    ("n = 0", "/v1/completions", {"model": "{m}", "prompt": "x", "n": 0}, 400, "n"),
+    ("an unknown field", "/v1/completions", {"model": "{m}", "prompt": "x", "best_effort": True}, 400, "best_effort"),
+    ("logit_bias out of the vocabulary", "/v1/completions", {"model": "{m}", "prompt": "x",
+                                                             "logit_bias": {"99999999": 5}}, 400, "logit_bias"),
+    ("presence_penalty out of range", "/v1/completions", {"model": "{m}", "prompt": "x", "presence_penalty": 3},
+     400, "presence_penalty"),
+    ("a regex the grammar library refuses", "/v1/completions", {"model": "{m}", "prompt": "x",
+                                                                "guided_regex": "(unclosed"}, 400, "guided_regex"),
+    ("a JSON schema that is not one", "/v1/chat/completions", {
+        "model": "{m}", "messages": [{"role": "user", "content": "x"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 7}}}},
+     400, "response_format"),
     ("priority not an int", "/v1/completions", {"model": "{m}", "prompt": "x", "priority": "high"}, 400, "priority"),
     ("negative ttft_slo_ms", "/v1/completions", {"model": "{m}", "prompt": "x", "ttft_slo_ms": -1}, 400,
      "ttft_slo_ms"),

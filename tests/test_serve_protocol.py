@@ -19,9 +19,16 @@ from deployments.wire import StreamItem
     ({"model": "m", "prompt": "x", "max_tokens": True}, "max_tokens"),
     ({"model": "m", "prompt": "x", "temperature": "hot"}, "temperature"),
     ({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"model": "m", "prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"model": "m", "prompt": "x", "presence_penalty": "a little"}, "presence_penalty"),
     ({"model": "m", "prompt": "x", "echo": True}, "echo"),
-    ({"model": "m", "prompt": ["a", "b"]}, "prompt"),
+    ({"model": "m", "prompt": ["a", ""]}, "prompt"),
+    ({"model": "m", "prompt": ["a"] * 65, "n": 2}, "prompt"),  # 130 choices
+    ({"model": "m", "prompt": "x", "n": 0}, "n"),
+    ({"model": "m", "prompt": "x", "store": True}, "store"),
+    # A field this server does not implement: refused by name, never ignored.
+    ({"model": "m", "prompt": "x", "frobnicate": 1}, "frobnicate"),
+    ({"model": "m", "prompt": "x", "stream": True, "stream_options": {"include_usage": True, "x": 1}},
+     "stream_options.x"),
     ({"model": "m", "prompt": "x", "tbt_slo_ms": 0}, "tbt_slo_ms"),
     # Hostile input: each a 400, never an exception out of the router (a 500).
     (b"[" * 100_000 + b"]" * 100_000, None),  # nested past the parser's recursion limit
@@ -34,10 +41,63 @@ from deployments.wire import StreamItem
 def test_bad_completion_requests_name_the_field(raw, param):
     with pytest.raises(oai.APIError) as info:
         request = oai.parse_request(oai.CompletionRequest, raw)
-        request.single_prompt()
+        request.prompts()
     error = info.value
     assert error.status == 400 and error.param == param
     assert set(error.body()["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("raw, param", [
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x", "colour": "red"}]}, "messages.0.colour"),
+    ({"web_search_options": {}}, "web_search_options"),
+])
+def test_bad_chat_requests_name_the_field(raw, param):
+    with pytest.raises(oai.APIError) as info:
+        oai.parse_request(oai.ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                                      **raw})
+    assert info.value.status == 400 and info.value.param == param, info.value.message
+
+
+def test_what_the_peers_clients_send_is_accepted_and_means_what_they_mean():
+    # vLLM's benchmark client (vllm bench serve): completions with these fields; chat with these.
+    body = oai.parse_request(oai.CompletionRequest, {
+        "model": "m", "prompt": "x", "repetition_penalty": 1.0, "max_tokens": 8, "logprobs": None, "stream": True,
+        "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0.0, "top_p": 0.9,
+        "top_k": 5, "min_p": 0.1, "frequency_penalty": 0.5, "presence_penalty": 0.25})
+    kwargs = body.sampling_kwargs(default_max_tokens=16)
+    assert (kwargs["min_p"], kwargs["frequency_penalty"], kwargs["presence_penalty"]) == (0.1, 0.5, 0.25)
+    assert kwargs["logprobs"] is None
+    chat = oai.parse_request(oai.ChatCompletionRequest, {
+        "model": "m", "messages": [{"role": "user", "content": "x", "name": "ann"}], "max_completion_tokens": 4,
+        "stream": True, "stream_options": {"include_usage": True}, "logprobs": True, "top_logprobs": 2,
+        "logit_bias": {"50": -100}, "store": False, "parallel_tool_calls": False, "tool_choice": "none",
+        "response_format": {"type": "text"}, "chat_template_kwargs": {"enable_thinking": False}})
+    kwargs = chat.sampling_kwargs(default_max_tokens=100)
+    assert kwargs["logprobs"] == 2 and kwargs["logit_bias"] == {"50": -100} and kwargs["max_tokens"] == 4
+    assert oai.parse_request(oai.CompletionRequest, {"model": "m", "prompt": "x", "logprobs": 3}).num_logprobs == 3
+    assert oai.parse_request(oai.ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                                         "logprobs": True}).num_logprobs == 0
+
+
+def test_logprobs_objects_follow_openai():
+    text = {7: "a", 8: " b", 9: "c"}.__getitem__
+    per_token = [{7: -0.1, 9: -2.5}, {9: -0.5, 8: -1.0, 7: -3.0}]  # the second token was not the likeliest
+    chat = oai.logprobs_object([7, 8], per_token, 1, text, chat=True)
+    assert chat == {"content": [
+        {"token": "a", "logprob": -0.1, "bytes": [97], "top_logprobs": [{"token": "a", "logprob": -0.1, "bytes": [97]}]},
+        {"token": " b", "logprob": -1.0, "bytes": [32, 98],
+         "top_logprobs": [{"token": "c", "logprob": -0.5, "bytes": [99]}]}]}
+    completion = oai.logprobs_object([7, 8], per_token, 2, text, chat=False, offset=3)
+    assert completion == {"tokens": ["a", " b"], "token_logprobs": [-0.1, -1.0],
+                          "top_logprobs": [{"a": -0.1, "c": -2.5}, {"c": -0.5, " b": -1.0}], "text_offset": [3, 4]}
 
 
 def test_sampling_fields_left_out_take_the_models_defaults():

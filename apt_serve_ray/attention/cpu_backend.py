@@ -84,7 +84,7 @@ class CpuBackend(AttentionBackend):
 
     def decode_hidden(self, layer: int, q, g: DecodeGroup, storage: CacheStorage, proj: KVProjection,
                       scale: float) -> torch.Tensor:
-        if not self.fused_hidden:
+        if not (self.fused_hidden and proj.fusable):
             return super().decode_hidden(layer, q, g, storage, proj, scale)
         hidden = storage.hidden[layer]
         if proj.has_rope:
@@ -100,7 +100,7 @@ class CpuBackend(AttentionBackend):
 
     def decode_hidden_int8(self, layer: int, q, g: DecodeGroup, storage: CacheStorage, proj: KVProjection,
                            scale: float) -> torch.Tensor:
-        if not self.fused_hidden:
+        if not (self.fused_hidden and proj.fusable):
             return super().decode_hidden_int8(layer, q, g, storage, proj, scale)
         hidden, scales = storage.hidden_int8[layer], storage.hidden_int8_scale[layer]
         if proj.has_rope:

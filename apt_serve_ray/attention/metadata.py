@@ -29,15 +29,26 @@ class KVProjection:
     num_kv_heads: int
     head_dim: int
     rotary: "RotaryEmbedding | None" = None
+    k_norm: torch.Tensor | None = None  # [D]: RMSNorm over each K head before RoPE (Qwen3)
+    eps: float = 1e-6
 
     @property
     def has_rope(self) -> bool:
         return self.rotary is not None
 
+    @property
+    def fusable(self) -> bool:
+        """Whether the fused hidden-decode kernels compute this projection (a linear map, then RoPE
+        over whole heads); otherwise hidden rows project through ``__call__``."""
+        return self.k_norm is None and not (self.rotary is not None and self.rotary.is_partial)
+
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Stored x [..., n, HID] at positions [n] -> K, V [..., n, KVH, D], K rotated."""
         kv = F.linear(x, self.w_kv, self.b_kv).unflatten(-1, (2, self.num_kv_heads, self.head_dim))
         k, v = kv.unbind(-3)
+        if self.k_norm is not None:  # as the model's forward: float32 statistics
+            h = k.float()
+            k = self.k_norm * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(k.dtype)
         if self.rotary is not None:
             k = self.rotary.apply(k, positions)
         return k, v

@@ -35,7 +35,7 @@ class TritonBackend(AttentionBackend):
 
     def decode_hidden(self, layer: int, q, g: DecodeGroup, storage: CacheStorage, proj: KVProjection,
                       scale: float) -> torch.Tensor:
-        if not (self.fused_hidden and fused_hidden_supports(proj.head_dim)):
+        if not (self.fused_hidden and proj.fusable and fused_hidden_supports(proj.head_dim)):
             return super().decode_hidden(layer, q, g, storage, proj, scale)
         from apt_serve_ray.kernels.hidden_attention import hidden_decode_attention
 

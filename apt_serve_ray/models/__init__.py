@@ -6,7 +6,11 @@ from apt_serve_ray.models.base import DecoderModel, ModelShape
 from apt_serve_ray.models.llama import LlamaModel
 from apt_serve_ray.models.opt import OPTModel
 
-MODEL_REGISTRY: dict[str, type[DecoderModel]] = {"llama": LlamaModel, "opt": OPTModel}
+# transformers ``model_type`` -> our model code. The Llama family tells its members apart by their weights.
+MODEL_REGISTRY: dict[str, type[DecoderModel]] = {
+    "llama": LlamaModel, "mistral": LlamaModel, "qwen2": LlamaModel, "qwen3": LlamaModel, "phi3": LlamaModel,
+    "opt": OPTModel,
+}
 
 
 def model_class(model_type: str) -> type[DecoderModel]:

@@ -1,4 +1,11 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, MHA or grouped-query) on the paged hybrid cache."""
+"""Llama-family decoders on the paged hybrid cache: Llama 2/3 and SmolLM2, Mistral, Qwen2 / Qwen2.5
+(biases on q/k/v), Qwen3 (RMSNorm over each head of q and k before RoPE) and Phi-3 (fused qkv and
+gate-up weights, partial rotary). One pre-norm block with a gated MLP; what differs between the
+architectures is read from the checkpoint's weights (a fused projection, a bias, a norm) and config
+(activation, rotary share). MHA or grouped-query attention.
+
+Sliding-window attention (Mistral v0.1, Phi-3-mini, Qwen with ``use_sliding_window``) is exact for
+sequences no longer than the window: the runner caps ``max_model_len`` there (``sliding_window``)."""
 
 from __future__ import annotations
 
@@ -10,6 +17,26 @@ from apt_serve_ray.models.linear import Linear
 from apt_serve_ray.models.rotary import RotaryEmbedding
 from apt_serve_ray.attention import AttentionMetadata, KVProjection
 
+# The gated MLP's activation, by the config's ``hidden_act``.
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+def sliding_window(config) -> int | None:
+    """The attention window of a checkpoint whose layers use one (None: full attention everywhere)."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window)
+
 
 class _Layer:
     def __init__(self, state, prefix, device, dtype):
@@ -17,11 +44,21 @@ class _Layer:
         o = lambda n: take_optional(state, prefix + n, device, dtype)  # noqa: E731
         self.input_norm = g("input_layernorm.weight")
         self.post_norm = g("post_attention_layernorm.weight")
-        self.w_qkv = fuse(g("self_attn.q_proj.weight"), g("self_attn.k_proj.weight"), g("self_attn.v_proj.weight"))
-        self.b_qkv = fuse(o("self_attn.q_proj.bias"), o("self_attn.k_proj.bias"), o("self_attn.v_proj.bias"))
+        if prefix + "self_attn.qkv_proj.weight" in state:  # Phi-3: one fused projection
+            self.w_qkv, self.b_qkv = g("self_attn.qkv_proj.weight"), o("self_attn.qkv_proj.bias")
+        else:
+            self.w_qkv = fuse(g("self_attn.q_proj.weight"), g("self_attn.k_proj.weight"),
+                              g("self_attn.v_proj.weight"))
+            self.b_qkv = fuse(o("self_attn.q_proj.bias"), o("self_attn.k_proj.bias"), o("self_attn.v_proj.bias"))
+        self.q_norm, self.k_norm = o("self_attn.q_norm.weight"), o("self_attn.k_norm.weight")  # Qwen3
+        if (self.q_norm is None) != (self.k_norm is None):
+            raise ValueError(f"checkpoint: {prefix}self_attn has one of q_norm / k_norm but not the other")
         self.qkv = Linear(self.w_qkv, self.b_qkv, keep_weight=True)  # the hidden path projects with w_qkv's K/V rows
         self.out = Linear(g("self_attn.o_proj.weight"), o("self_attn.o_proj.bias"))
-        self.gate_up = Linear(fuse(g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")))
+        if prefix + "mlp.gate_up_proj.weight" in state:  # Phi-3
+            self.gate_up = Linear(g("mlp.gate_up_proj.weight"))
+        else:
+            self.gate_up = Linear(fuse(g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")))
         self.down = Linear(g("mlp.down_proj.weight"))
 
 
@@ -39,6 +76,10 @@ class LlamaModel(DecoderModel):
             max_model_len=max_model_len,
         )
         self.eps = config.rms_norm_eps
+        act = getattr(config, "hidden_act", "silu")
+        if act not in _ACTIVATIONS:
+            raise ValueError(f"hidden_act: unsupported activation {act!r}; supported: {sorted(_ACTIVATIONS)}")
+        self.act = _ACTIVATIONS[act]
         self.q_dim = heads * head_dim
         self.kv_dim = self.shape.num_kv_heads * head_dim
         self.scale = head_dim**-0.5
@@ -51,15 +92,12 @@ class LlamaModel(DecoderModel):
         self.rotary = RotaryEmbedding(config, head_dim, max_model_len, device, dtype)
         self.kv_projections = [
             KVProjection(lay.w_qkv[self.q_dim :], None if lay.b_qkv is None else lay.b_qkv[self.q_dim :],
-                         self.shape.num_kv_heads, head_dim, self.rotary)
+                         self.shape.num_kv_heads, head_dim, self.rotary, lay.k_norm, self.eps)
             for lay in self.layers
         ]
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # Same op order as transformers' LlamaRMSNorm (float32 statistics), so bf16 matches too.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * h.to(x.dtype)
+        return rms_norm(x, weight, self.eps)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata):
         s = self.shape
@@ -71,14 +109,24 @@ class LlamaModel(DecoderModel):
             q = qkv[:, : self.q_dim].view(n, s.num_heads, s.head_dim)
             k = qkv[:, self.q_dim : self.q_dim + self.kv_dim].view(n, s.num_kv_heads, s.head_dim)
             v = qkv[:, self.q_dim + self.kv_dim :].view(n, s.num_kv_heads, s.head_dim)
+            if layer.q_norm is not None:
+                q, k = rms_norm(q, layer.q_norm, self.eps), rms_norm(k, layer.k_norm, self.eps)
             q = self.rotary.apply(q, positions)
             k = self.rotary.apply(k, positions)
             a = meta.backend.forward(i, q, k, v, x, self.kv_projections[i], meta, self.scale)
             h = h + layer.out(a.reshape(n, -1))
             x = self._rms_norm(h, layer.post_norm)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h = h + layer.down(F.silu(gate) * up)
+            h = h + layer.down(self.act(gate) * up)
         return self._rms_norm(h, self.norm)
 
     def compute_logits(self, hidden):
         return self.logits(hidden)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Over the last dim. Same op order as transformers' LlamaRMSNorm (float32 statistics), so bf16
+    matches too."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)

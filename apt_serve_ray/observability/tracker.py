@@ -64,9 +64,10 @@ class CacheTracker(EngineObserver):
         return {"series": self.series(), "crossings": list(self.crossings), "light_watermark": self.light,
                 "heavy_watermark": self.heavy}
 
-    def plot_memory_timeline(self, path, title: str | None = None) -> str:
+    def plot_memory_timeline(self, path="memory_timeline.png", title: str | None = None) -> str:
         """Stacked pages by kind (in memory, above zero; in the swap tier, below), usage and the
-        compressed ceiling over time, watermarks and their crossings."""
+        compressed ceiling over time, watermarks and their crossings; written to ``path`` (by default
+        ``memory_timeline.png`` in the working directory), which is returned."""
         return plot_memory_timeline(self.series(), self.crossings, path, light=self.light, heavy=self.heavy,
                                     title=title or "cache memory by kind")
 

@@ -1,0 +1,5 @@
+"""``from apt_serve.predictor import TrafficPredictor``: ``apt_serve_ray.predictor``'s."""
+
+from apt_serve_ray.predictor import Forecast, TrafficPredictor
+
+__all__ = ["Forecast", "TrafficPredictor"]

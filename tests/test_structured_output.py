@@ -1,0 +1,79 @@
+"""Structured output in the engine: the output matches its JSON schema, JSON object, regex or choice
+with either grammar library, also through preemptions; bad grammars are refused when the request
+arrives, naming the field."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from apt_serve_ray import LLM, SamplingParams
+from apt_serve_ray.structured import GRAMMAR_BACKENDS, StructuredOutput
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"colour": {"enum": ["red", "green", "blue"]}, "n": {"type": "integer", "minimum": 0,
+                                                                     "maximum": 999},
+                   "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+                   "name": {"type": "string", "maxLength": 6}},
+    "required": ["colour", "n", "tags", "name"], "additionalProperties": False,
+}
+
+
+def _llm(path, backend, **kw):
+    return LLM(path, **{"dtype": "float32", "num_pages": 128, "calibrate_rho": False, "swap_space": 0,
+                        "structured_output_backend": backend, **kw})
+
+
+@pytest.mark.parametrize("backend", GRAMMAR_BACKENDS)
+def test_outputs_match_their_constraint(opt_tiny, backend):
+    llm = _llm(opt_tiny, backend)
+    prompts = ["Describe a thing", "Another", "A third prompt here"]
+
+    def params(**spec):
+        return SamplingParams(temperature=0.8, seed=1, max_tokens=80, structured_output=StructuredOutput(**spec))
+
+    for out in llm.generate(prompts, params(json=SCHEMA)):
+        jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
+        assert out.outputs[0].finish_reason == "stop"
+    for out in llm.generate(prompts, params(json_object=True)):
+        # Keys are free strings: a random model may not close one within max_tokens.
+        assert out.outputs[0].finish_reason == "length" or isinstance(json.loads(out.outputs[0].text), dict)
+    for out in llm.generate(prompts, params(regex=r"[0-9]{3}-[a-z]{2}")):
+        assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", out.outputs[0].text), out.outputs[0].text
+    for out in llm.generate(prompts, params(choice=["yes", "no", "maybe so"])):
+        assert out.outputs[0].text in ("yes", "no", "maybe so")
+    free = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8))  # others unaffected
+    assert all(len(o.outputs[0].token_ids) == 8 for o in free)
+
+
+def test_grammar_state_survives_preemption_and_recompute(opt_tiny):
+    # A pool too small for all of them at once: requests are preempted and recomputed mid-output.
+    llm = _llm(opt_tiny, "llguidance", num_pages=24, policy="fcfs", max_num_seqs=16)
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=80, structured_output=StructuredOutput(json=SCHEMA))
+    outs = llm.generate([f"Item {i} " * 20 for i in range(12)], params)
+    assert llm.cache_stats().num_preemptions > 0
+    for out in outs:
+        jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
+    assert llm.llm_engine.runner.sampler.structured._matchers == {}  # every matcher forgotten
+
+
+@pytest.mark.parametrize("backend", GRAMMAR_BACKENDS)
+def test_a_bad_grammar_is_refused_when_the_request_arrives(opt_tiny, backend):
+    llm = _llm(opt_tiny, backend)
+    for spec in ({"regex": "(unclosed"}, {"json": {"type": 7}}):
+        with pytest.raises(ValueError, match="^structured_output:"):
+            llm.llm_engine.add_request("x", SamplingParams(structured_output=StructuredOutput(**spec)))
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_constraints_are_checked_when_made():
+    for kwargs in ({}, {"json": {}, "regex": "a"}, {"json": "{not json"}, {"choice": []}, {"choice": ["", "x"]},
+                   {"json": [1]}):
+        with pytest.raises(ValueError, match="^structured_output:"):
+            StructuredOutput(**kwargs)
+    assert StructuredOutput(json='{"type": "object"}').json == {"type": "object"}
+    assert StructuredOutput(choice=["a.b"]).as_schema_or_regex() == (None, r"(a\.b)")
