@@ -150,6 +150,7 @@ class LLMEngine:
         self, prompt: str | list[int], sampling_params: SamplingParams | None = None, request_id: str | None = None,
         *, arrival_time: float | None = None, ttft_slo_ms: float | None = None, tbt_slo_ms: float | None = None,
         priority: int | None = None, trace_context: dict[str, str] | None = None, service_class: str | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
         """Validate and tokenise; raises ValueError naming the bad field. Does not touch engine state."""
         params = sampling_params if sampling_params is not None else SamplingParams()
@@ -182,6 +183,8 @@ class LLMEngine:
             raise ValueError(f"priority: must be an integer, got {priority!r}")
         if service_class is not None and not isinstance(service_class, str):
             raise ValueError(f"service_class: must be a string, got {service_class!r}")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt: must be a non-empty string, got {cache_salt!r}")
         return Request(
             request_id or uuid.uuid4().hex, ids, params, prompt=text,
             arrival_time=self.clock() if arrival_time is None else arrival_time,
@@ -189,7 +192,7 @@ class LLMEngine:
             ttft_slo_ms=ttft_slo_ms or self.config.default_ttft_slo_ms,
             tbt_slo_ms=tbt_slo_ms or self.config.default_tbt_slo_ms,
             priority=self.config.default_priority if priority is None else priority,
-            trace_context=trace_context, service_class=service_class,
+            trace_context=trace_context, service_class=service_class, cache_salt=cache_salt,
         )
 
     def structured_outputs(self):

@@ -81,6 +81,7 @@ class Request:
         priority: int = 0,
         trace_context: dict[str, str] | None = None,
         service_class: str | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.seq = next(_arrival_order)  # breaks arrival-time ties in FCFS order
@@ -92,6 +93,9 @@ class Request:
         self.priority = priority
         self.trace_context = trace_context  # the caller's tracing context (W3C carrier), if any
         self.service_class = service_class  # the serving app's class name: a metrics label, no policy reads it
+        # vLLM's ``cache_salt``: mixed into the name of its first page, so only requests with the same
+        # salt share cached pages with it (a tenant's isolation; None: shared with every unsalted one).
+        self.cache_salt = cache_salt
         max_new = max_total_tokens - len(self.prompt_token_ids)
         if sampling_params.max_tokens is not None:
             max_new = min(max_new, sampling_params.max_tokens)

@@ -119,6 +119,8 @@ class _SamplingFields(BaseModel):
     priority: Int64 | None = None
     ttft_slo_ms: float | None = None
     tbt_slo_ms: float | None = None
+    # vLLM's: only requests with the same salt share cached prefix pages (a tenant's isolation).
+    cache_salt: str | None = None
 
     def check_supported(self) -> None:
         if self.store:
@@ -126,6 +128,8 @@ class _SamplingFields(BaseModel):
         self.structured_output()  # refuses a bad or ambiguous constraint now
         if not 1 <= self.n <= MAX_CHOICES:
             raise APIError(f"n: must be in [1, {MAX_CHOICES}], got {self.n}", param="n")
+        if self.cache_salt is not None and not self.cache_salt:
+            raise APIError("cache_salt: must be a non-empty string", param="cache_salt")
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options: only allowed when stream is true", param="stream_options")
         for name in ("ttft_slo_ms", "tbt_slo_ms"):

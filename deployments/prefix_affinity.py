@@ -26,9 +26,10 @@ class PrefixIndex:
         self._blocks: dict[Hashable, OrderedDict[int, None]] = {}
         self._sessions: OrderedDict[str, Hashable] = OrderedDict()
 
-    def block_hashes(self, tokens: list[int]) -> list[int]:
-        """Names of the full pages of ``tokens``: each hashes its parent's name and its tokens."""
-        size, out, parent = self.block_tokens, [], 0
+    def block_hashes(self, tokens: list[int], salt: str | None = None) -> list[int]:
+        """Names of the full pages of ``tokens``: each hashes its parent's name and its tokens (the
+        first, the request's ``cache_salt`` too, as the engine's names do)."""
+        size, out, parent = self.block_tokens, [], (0 if salt is None else hash(salt))
         for start in range(0, len(tokens) - size + 1, size):
             parent = hash((parent, tuple(tokens[start:start + size])))
             out.append(parent)
@@ -85,14 +86,15 @@ def process_index(block_tokens: int = 16) -> PrefixIndex:
     return _PROCESS_INDEX
 
 
-def fits_beside_cached_prefix(index: PrefixIndex | None, reports, prompt: list[int], num_pages: int) -> bool:
+def fits_beside_cached_prefix(index: PrefixIndex | None, reports, prompt: list[int], num_pages: int,
+                              salt: str | None = None) -> bool:
     """Whether a replica probably holds this prompt's leading pages and has free pages for the rest
     of the request (``num_pages`` with its whole prompt): then admitting it costs only those, however
     full the cluster is. ``reports``: the replicas' ``LoadReport``s (their ``replica_id`` is the
     index's key's ``unique_id``)."""
     if index is None or not prompt or not isinstance(prompt, list):
         return False
-    hashes = index.block_hashes(prompt)
+    hashes = index.block_hashes(prompt, salt)
     if not hashes:
         return False
     by_id = {getattr(key, "unique_id", key): key for key in index._blocks}

@@ -106,7 +106,8 @@ class RequestPreparer:
                 index = j * body.n + i
                 rid = request_id if len(prompts) * body.n == 1 else f"{request_id}-{index}"
                 request = EngineRequest(prompt_ids, params, rid, service_class=service_class,
-                                        session_id=session_header or body.user, **scheduling)
+                                        session_id=session_header or body.user, cache_salt=body.cache_salt,
+                                        **scheduling)
                 ttft_s = request.ttft_slo_ms / 1000.0 if request.ttft_slo_ms else self.default_ttft_slo_s
                 ticket = Ticket(request_pages(request, limits.tokens_per_page, self.horizon), ttft_s,
                                 request.priority or 0)

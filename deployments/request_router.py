@@ -77,7 +77,7 @@ class FitAwareRequestRouter(RequestRouter):
             pending_request.routing_context.should_backoff = True  # no busy loop when every queue is full
         if request is None or not candidate_replicas:
             return [candidate_replicas]
-        hashes = self.prefixes.block_hashes(request.prompt)
+        hashes = self.prefixes.block_hashes(request.prompt, request.cache_salt)
         matched = {r.replica_id: self.prefixes.match(r.replica_id, hashes) for r in candidate_replicas}
         keys = {r.replica_id: self.rank_key(r, request, matched[r.replica_id]) for r in candidate_replicas}
         ranked = sorted(candidate_replicas, key=lambda r: keys[r.replica_id])

@@ -43,6 +43,8 @@ class EngineRequest:
     # The conversation it belongs to (the ``x-session-id`` header, else the body's ``user``): the
     # request router keeps a session on the replica that holds its history. The engine never sees it.
     session_id: str | None = None
+    # vLLM's ``cache_salt``: only requests with the same salt share cached prefix pages.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.sampling, SamplingParams):
@@ -60,7 +62,8 @@ class EngineRequest:
     def scheduling_kwargs(self) -> dict:
         """Keyword arguments of ``AsyncLLMEngine.generate`` beyond prompt, sampling and id."""
         kwargs = {"priority": self.priority, "ttft_slo_ms": self.ttft_slo_ms, "tbt_slo_ms": self.tbt_slo_ms,
-                  "trace_context": self.trace_context or None, "service_class": self.service_class}
+                  "trace_context": self.trace_context or None, "service_class": self.service_class,
+                  "cache_salt": self.cache_salt}
         return {k: v for k, v in kwargs.items() if v is not None}
 
 

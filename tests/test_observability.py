@@ -108,6 +108,8 @@ def test_a_requests_service_class_reaches_its_span_and_log_line(opt_tiny, caplog
     assert lines["a"]["service_class"] == "batch" and lines["b"]["service_class"] is None
     with pytest.raises(ValueError, match="service_class"):
         engine.make_request([5], params, service_class=3)
+    with pytest.raises(ValueError, match="cache_salt"):
+        engine.make_request([5], params, cache_salt="")
 
 
 def test_request_spans_are_children_of_the_callers_span(opt_tiny):

@@ -113,6 +113,23 @@ def test_a_request_takes_the_longest_cached_prefix_but_always_computes_its_last_
     assert cache.pool.num_used_pages == 0 and cache.pool.num_cached_free_pages == 4
 
 
+def test_a_cache_salt_keeps_a_tenants_pages_to_itself():
+    cache = CacheManager(PagePool(20), MHA_LAYOUT, enable_prefix_caching=True)
+    sp, tokens = SamplingParams(max_tokens=4), list(range(100, 164))
+
+    def request(rid, salt):
+        return Request(rid, tokens, sp, max_total_tokens=1000, ttft_slo_ms=1e4, tbt_slo_ms=1e3, cache_salt=salt)
+
+    first = request("a", "tenant-1")
+    assert cache.allocate(first, 64)
+    first.num_computed_tokens = 64
+    cache.name_computed_pages(first)
+    assert cache.attach_prefix(request("b", None), CacheKind.KV) == 0  # unsalted: not its pages
+    assert cache.attach_prefix(request("c", "tenant-2"), CacheKind.KV) == 0
+    same = request("d", "tenant-1")
+    assert cache.attach_prefix(same, CacheKind.KV) == 48 and same.page_ids == first.page_ids[:3]
+
+
 # Greedy output with and without -------------------------------------------------------------------
 def _generate(path, prompts, *, waves=True, **kw):
     """Greedy outputs of ``prompts`` (token ids; in waves: each one after the previous finished, so

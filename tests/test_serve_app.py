@@ -229,16 +229,22 @@ def test_openai_client_logprobs_n_several_prompts_and_penalties(serve_url, app):
     messages = [{"role": "user", "content": "Name three colours"}]
     # Chat logprobs: the chosen token's and the top ones, sorted; greedy picks the likeliest.
     chat = oc.chat.completions.create(model=app, messages=messages, max_tokens=6, temperature=0, logprobs=True,
-                                      top_logprobs=3, extra_body={"ignore_eos": True})
+                                      top_logprobs=3, extra_body={"ignore_eos": True, "cache_salt": "once"})
     content = chat.choices[0].logprobs.content
     assert len(content) == 6
     for c in content:
         tops = [t.logprob for t in c.top_logprobs]
         assert len(tops) == 3 and tops == sorted(tops, reverse=True) and c.logprob == tops[0] <= 0
+    # The same request streamed, under a salt of its own: no prefix-cache hit, so its prompt is computed
+    # as the first one's was and the logprobs agree to the last digit (a hit attends the cached pages
+    # another way, which in bf16 moves logprobs by ~1e-2 and may flip a near-tie).
     stream = oc.chat.completions.create(model=app, messages=messages, max_tokens=6, temperature=0, logprobs=True,
-                                        top_logprobs=3, stream=True, extra_body={"ignore_eos": True})
-    streamed = [c for chunk in stream for choice in chunk.choices if choice.logprobs for c in choice.logprobs.content]
+                                        top_logprobs=3, stream=True, stream_options={"include_usage": True},
+                                        extra_body={"ignore_eos": True, "cache_salt": "stream"})
+    chunks = list(stream)
+    streamed = [c for chunk in chunks for choice in chunk.choices if choice.logprobs for c in choice.logprobs.content]
     assert [(c.token, round(c.logprob, 4)) for c in streamed] == [(c.token, round(c.logprob, 4)) for c in content]
+    assert chunks[-1].usage.prompt_tokens_details is None or not chunks[-1].usage.prompt_tokens_details.cached_tokens
     # Completion logprobs, n = 2 sampled with a seed (the two differ, each reproducible), two prompts.
     done = oc.completions.create(model=app, prompt="Once upon a time", max_tokens=5, logprobs=2,
                                  extra_body={"ignore_eos": True})

@@ -37,6 +37,8 @@ def test_a_completion_becomes_a_tokenised_engine_request_and_its_ticket():
     assert (prepared.ticket.num_pages, prepared.ticket.ttft_slo_s, prepared.ticket.priority) == (2, 0.5, 2)
     assert prepared.received == 1.0
     assert prepare({"prompt": "hello"}).request.max_tokens == 16  # OpenAI's default for completions
+    salted = prepare({"prompt": "hello", "cache_salt": "tenant-1"}).request
+    assert salted.cache_salt == "tenant-1" and salted.scheduling_kwargs()["cache_salt"] == "tenant-1"
 
 
 def test_sampling_fields_a_request_leaves_out_take_the_models_defaults():
@@ -51,6 +53,7 @@ def test_sampling_fields_a_request_leaves_out_take_the_models_defaults():
     ({"prompt": "x" * 5, "max_tokens": 96}, 400, "max_tokens"),
     ({"prompt": "x", "temperature": -1.0}, 400, "temperature"),
     ({"prompt": [5, "a"]}, 400, "prompt"),
+    ({"prompt": "x", "cache_salt": ""}, 400, "cache_salt"),
 ])
 def test_bad_requests_are_api_errors_naming_the_field(body, status, param):
     with pytest.raises(oai.APIError) as info:

@@ -73,6 +73,13 @@ class SwapPlan:
 _SEEDS = {kind: hashlib.blake2b(f"apt-serve-ray/{kind.value}".encode(), digest_size=16).digest() for kind in CacheKind}
 
 
+def _seed(kind: CacheKind, salt: str | None) -> bytes:
+    """Where a request's chain starts: its kind's seed, salted by its ``cache_salt`` if it has one."""
+    if salt is None:
+        return _SEEDS[kind]
+    return hashlib.blake2b(_SEEDS[kind] + salt.encode(), digest_size=16).digest()
+
+
 TIER_OWNER = "<prefix-cache>"  # owns the tier's slots that hold demoted prefix pages
 
 
@@ -178,7 +185,7 @@ class CacheManager:
         chain = request.block_hashes.setdefault(kind, [])
         if len(chain) < num_blocks:
             tpp, tokens = self.layout.tokens_per_page(kind), request.all_token_ids
-            parent = chain[-1] if chain else _SEEDS[kind]
+            parent = chain[-1] if chain else _seed(kind, request.cache_salt)
             for i in range(len(chain), num_blocks):
                 parent = hashlib.blake2b(parent + array("q", tokens[i * tpp:(i + 1) * tpp]).tobytes(),
                                          digest_size=16).digest()
