@@ -123,10 +123,11 @@ class Request:
         self.prefix_kind: CacheKind | None = None
         self.num_prefix_pages = 0
         self.num_prefix_tokens = 0
-        # Prefix caching: the names of its full pages, per kind (``CacheManager.block_hashes``); how many
+        # Prefix caching: the names of its full pages, per kind (``CacheManager.block_hashes``; keyed
+        # (prefix kind, pages, kind) for the pages after a prefix segment, ``segment_hashes``); how many
         # of its pages are named (-1: none from now on, its pages changed kind in place); and the
         # prompt tokens found cached when it was first admitted (None before).
-        self.block_hashes: dict[CacheKind, list[bytes]] = {}
+        self.block_hashes: dict[CacheKind | tuple, list[bytes]] = {}
         self.num_named_pages = 0
         self.num_cached_tokens: int | None = None
 

@@ -282,7 +282,10 @@ def test_a_swapped_request_asked_for_another_kind_is_recomputed_in_it():
     n = r.num_tokens_to_compute
     assert ctx.schedule(r, n, CacheKind.HIDDEN)
     assert r.kind is CacheKind.HIDDEN and not r.is_swapped and ctx.output().swap_in == []
-    assert r.num_computed_tokens == 0 and ctx.output().chunks[0].num_tokens == n  # recomputed from the start
+    # Recomputed in it, from the start or after what the prefix cache holds of it in KV pages (its own
+    # pages, left cached when it was swapped out): those it reads as a prefix segment.
+    assert r.num_computed_tokens in (0, r.num_prefix_tokens) and r.prefix_kind in (None, CacheKind.KV)
+    assert ctx.output().chunks[0].num_tokens == min(n, r.num_tokens - r.num_computed_tokens)
     assert sim.llm_engine.swap.num_used_slots == sim.cache.num_tier_pages  # its slots are free: the rest are demoted pages
 
 

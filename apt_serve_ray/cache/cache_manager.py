@@ -12,7 +12,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from apt_serve_ray.cache.layout import CacheLayout
-from apt_serve_ray.cache.page_pool import PagePool
+from apt_serve_ray.cache.page_pool import PagePool, retention_weight
 from apt_serve_ray.cache.swap import SwapSpace
 from apt_serve_ray.request import CacheKind, Request
 
@@ -46,6 +46,28 @@ CONVERSIONS = frozenset({(CacheKind.KV, CacheKind.KV_INT8), (CacheKind.HIDDEN, C
 def can_convert(from_kind: CacheKind | None, to_kind: CacheKind | None) -> bool:
     """Whether a copy of ``from_kind`` in the tier can come back as ``to_kind`` pages (same kind: yes)."""
     return from_kind is to_kind or (from_kind, to_kind) in CONVERSIONS
+
+
+def cross_kind_prefix(prefix_kind: CacheKind, kind: CacheKind) -> bool:
+    """Whether a request admitted in ``kind`` may take a cached prefix held in ``prefix_kind`` as its
+    prefix segment: where the segment stores K/V (read as it is), or the request stores x anyway (it
+    pays the projection for its whole context either way). A hidden prefix in front of K/V pages
+    would add a projection per step that the step-time model does not price."""
+    return not prefix_kind.stores_hidden or kind.stores_hidden
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """What ``CacheManager.find_prefix`` found for a request admitted in ``kind``: ``pages`` in memory,
+    in order (the first ``num_prefix_pages`` of them in ``prefix_kind``, a prefix segment, where that
+    is not None), then ``slots`` of the tier holding the ``kind`` pages that follow."""
+
+    kind: CacheKind
+    pages: list[int]
+    slots: list[int]
+    num_tokens: int
+    prefix_kind: CacheKind | None = None
+    num_prefix_pages: int = 0
 
 
 @dataclass(frozen=True)
@@ -118,6 +140,7 @@ class CacheManager:
         self.layout = layout
         self.swap = swap  # the tier below memory; None: preempted requests are recomputed
         self.prefix_caching = enable_prefix_caching
+        pool.page_value = {kind: max(layout.tokens_per_page(kind), 1) / layout.block_size for kind in CacheKind}
         self.prefix_stats = PrefixStats()
         self._tier: OrderedDict[bytes, int] = OrderedDict()  # name -> slot of a demoted page, LRU first
         self._tier_pinned: set[int] = set()  # slots written or read this step
@@ -168,7 +191,7 @@ class CacheManager:
         """Return its pages and its swap slots (whichever it holds)."""
         self._restores.pop(request.request_id, None)  # pages coming back this step: they hold nothing
         if request.page_ids:
-            self.pool.free(request.page_ids[::-1], request.request_id)  # tail first: evicted first
+            self.pool.free(request.page_ids[::-1], request.request_id, retention_weight(request.priority))  # tail first: evicted first
         if request.swap_slots:
             self.swap.free(request.swap_slots, request.request_id)
         request.page_ids = []
@@ -192,37 +215,96 @@ class CacheManager:
                 chain.append(parent)
         return chain
 
-    def find_prefix(self, request: Request, kind: CacheKind) -> tuple[list[int], list[int]]:
-        """Where the longest cached prefix of ``request``'s tokens in ``kind`` is: the pages holding its
-        first part in memory, and the tier's slots holding the pages that follow. At least one token is
-        left to compute (its logits sample the next token). Nothing is taken."""
+    def segment_hashes(self, request: Request, prefix_kind: CacheKind, num_prefix_pages: int, kind: CacheKind,
+                       num_blocks: int) -> list[bytes]:
+        """The names of the first ``num_blocks`` full pages of ``kind`` that ``request`` holds after a
+        prefix of ``num_prefix_pages`` pages of ``prefix_kind``: the chain goes on from the prefix's
+        last name and ``kind``'s seed (the content of a page depends on the kind the context before it
+        was read in, so the names say both the split and the kinds)."""
+        key = (prefix_kind, num_prefix_pages, kind)
+        chain = request.block_hashes.setdefault(key, [])
+        if len(chain) < num_blocks:
+            tpp, tokens = self.layout.tokens_per_page(kind), request.all_token_ids
+            start = num_prefix_pages * self.layout.tokens_per_page(prefix_kind)
+            if chain:
+                parent = chain[-1]
+            else:
+                last = self.block_hashes(request, prefix_kind, num_prefix_pages)[num_prefix_pages - 1]
+                parent = hashlib.blake2b(last + _SEEDS[kind], digest_size=16).digest()
+            for i in range(len(chain), num_blocks):
+                parent = hashlib.blake2b(
+                    parent + array("q", tokens[start + i * tpp:start + (i + 1) * tpp]).tobytes(), digest_size=16).digest()
+                chain.append(parent)
+        return chain
+
+    def find_prefix(self, request: Request, kind: CacheKind) -> PrefixMatch | None:
+        """Where the longest cached prefix of ``request``'s tokens is, for a request admitted in ``kind``:
+        pages of ``kind`` in memory, then the tier's slots holding the pages that follow; or pages of
+        another kind (a prefix segment, ``cross_kind_prefix``) and pages of ``kind`` computed after such
+        a segment. At least one token is left to compute (its logits sample the next token). Nothing is
+        taken; None: nothing found."""
+        if not self.prefix_caching or not (self.pool.num_hashed_pages or self._tier):
+            return None
+        best = self._find_in(request, kind)
+        for prefix_kind in CacheKind:
+            if prefix_kind is not kind and cross_kind_prefix(prefix_kind, kind):
+                match = self._find_after(request, prefix_kind, kind)
+                if match is not None and (best is None or match.num_tokens > best.num_tokens):
+                    best = match
+        return best
+
+    def _find_in(self, request: Request, kind: CacheKind) -> PrefixMatch | None:
         tpp = self.layout.tokens_per_page(kind)
-        if not self.prefix_caching or tpp == 0 or not (self.pool.num_hashed_pages or self._tier):
-            return [], []
-        num_blocks = (request.num_tokens - 1) // tpp
+        num_blocks = (request.num_tokens - 1) // tpp if tpp else 0
         if num_blocks <= 0:
-            return [], []
+            return None
         names = self.block_hashes(request, kind, num_blocks)[:num_blocks]
         pages = self.pool.lookup(names)
+        slots = self._tier_slots(names[len(pages):])
+        if not pages and not slots:
+            return None
+        return PrefixMatch(kind, pages, slots, (len(pages) + len(slots)) * tpp)
+
+    def _find_after(self, request: Request, prefix_kind: CacheKind, kind: CacheKind) -> PrefixMatch | None:
+        """A prefix segment in ``prefix_kind`` (in memory), then what follows it in ``kind``."""
+        head_tpp, tpp = self.layout.tokens_per_page(prefix_kind), self.layout.tokens_per_page(kind)
+        num_head = (request.num_tokens - 1) // head_tpp if head_tpp and tpp else 0
+        if num_head <= 0 or not self.pool.num_hashed_pages:
+            return None
+        head = self.pool.lookup(self.block_hashes(request, prefix_kind, num_head)[:num_head])
+        if not head:
+            return None
+        start = len(head) * head_tpp
+        num_blocks = (request.num_tokens - 1 - start) // tpp
+        pages, slots = [], []
+        if num_blocks > 0:
+            names = self.segment_hashes(request, prefix_kind, len(head), kind, num_blocks)[:num_blocks]
+            pages = self.pool.lookup(names)
+            slots = self._tier_slots(names[len(pages):])
+        return PrefixMatch(kind, head + pages, slots, start + (len(pages) + len(slots)) * tpp, prefix_kind, len(head))
+
+    def _tier_slots(self, names) -> list[int]:
+        """The tier's slots holding the pages ``names`` name, as far as they go on unbroken."""
         slots = []
         if self._tier:
-            for name in names[len(pages):]:
+            for name in names:
                 slot = self._tier.get(name)
                 if slot is None:
                     break
                 slots.append(slot)
-        return pages, slots
+        return slots
 
     def attach_prefix(self, request: Request, kind: CacheKind) -> int:
-        """``request``, holding nothing, takes the pages of its longest cached prefix in ``kind``: they
-        become its first pages and count as computed; pages of it in the tier come back into fresh
-        pages (during a scheduling decision, where free pages allow). Returns the tokens found (0:
-        nothing changed)."""
+        """``request``, holding nothing, takes the pages of its longest cached prefix for ``kind``
+        (``find_prefix``): they become its first pages and count as computed (a prefix in another kind
+        becomes its prefix segment); pages of it in the tier come back into fresh pages (during a
+        scheduling decision, where free pages allow). Returns the tokens found (0: nothing changed)."""
         if request.page_ids or request.swap_slots or request.num_computed_tokens:
             raise ValueError(f"request {request.request_id} already holds cache: no prefix to attach")
-        pages, slots = self.find_prefix(request, kind)
-        if not self._in_decision:
-            slots = []
+        match = self.find_prefix(request, kind)
+        if match is None:
+            return 0
+        pages, slots = match.pages, match.slots if self._in_decision else []
         if not pages and not slots:
             return 0
         self.pool.take(pages, request.request_id)  # first: allocating below may evict unreferenced pages
@@ -234,8 +316,7 @@ class CacheManager:
             restored = self.pool.allocate(len(slots), kind, request.request_id) or []
             if restored:
                 self._restores[request.request_id] = SwapPlan(request.request_id, restored, list(slots), kind)
-                names = self.block_hashes(request, kind, len(pages) + len(slots))[len(pages):len(pages) + len(slots)]
-                for name in names:
+                for name in self._tier_names(request, match, len(slots)):
                     self._tier.move_to_end(name)
             else:
                 self._tier_pinned.difference_update(pinned)
@@ -245,8 +326,20 @@ class CacheManager:
         request.page_ids = list(pages) + restored
         request.kind = request.last_kind = kind
         request.num_named_pages = len(pages)  # the restored ones are named after the step has filled them
-        request.num_computed_tokens = len(request.page_ids) * self.layout.tokens_per_page(kind)
+        own = len(request.page_ids) - match.num_prefix_pages
+        if match.prefix_kind is not None:
+            request.prefix_kind, request.num_prefix_pages = match.prefix_kind, match.num_prefix_pages
+            request.num_prefix_tokens = match.num_prefix_pages * self.layout.tokens_per_page(match.prefix_kind)
+        request.num_computed_tokens = request.num_prefix_tokens + own * self.layout.tokens_per_page(kind)
         return request.num_computed_tokens
+
+    def _tier_names(self, request: Request, match: PrefixMatch, num: int) -> list[bytes]:
+        """The names of the ``num`` pages ``match`` restores from the tier."""
+        own = len(match.pages) - match.num_prefix_pages
+        if match.prefix_kind is None:
+            return self.block_hashes(request, match.kind, own + num)[own:own + num]
+        return self.segment_hashes(request, match.prefix_kind, match.num_prefix_pages, match.kind,
+                                   own + num)[own:own + num]
 
     def detach_prefix(self, request: Request) -> None:
         """Undo ``attach_prefix`` (its chunk did not get the rest of its pages)."""
@@ -336,27 +429,36 @@ class CacheManager:
         """``request`` was admitted (in its kind) having found ``num_hit`` tokens (``attach_prefix``)."""
         kind = request.kind.value
         self.prefix_stats.queries[kind] += request.num_tokens
-        self.prefix_stats.hits[kind] += num_hit
+        head = request.num_prefix_tokens if num_hit else 0  # a prefix segment in another kind
+        if head:
+            self.prefix_stats.hits[request.prefix_kind.value] += head
+        self.prefix_stats.hits[kind] += num_hit - head
         plan = self._restores.get(request.request_id)
         if plan is not None:
             self.prefix_stats.tier_hits[kind] += len(plan.pages) * self.layout.tokens_per_page(request.kind)
 
     def name_computed_pages(self, request: Request) -> None:
         """After a step: name ``request``'s pages that are full of computed tokens, so that later
-        requests find them. Only pages the forward pass (or a same-kind copy back from the tier)
-        wrote: after a kind change in place the content is not what the chain names, and the request
-        names nothing more (``num_named_pages`` -1)."""
+        requests find them: what the forward pass, a same-kind copy back from the tier, a compression
+        in place or an exact upgrade (x projected to K/V) wrote. After a lossy change (int8 dequantised
+        to KV, or a copy converted on its way back from the tier) the content is not what the chain
+        names, and the request names nothing more (``num_named_pages`` -1)."""
         kind, done = request.kind, request.num_named_pages
         if not self.prefix_caching or kind is None or done < 0:
             return
         tpp = self.layout.tokens_per_page(kind)
-        full = min(request.num_computed_tokens // tpp, len(request.page_ids)) if tpp else 0
-        if full <= done:
+        head, start = request.num_prefix_pages, request.num_prefix_tokens  # a prefix segment: named already
+        full = min((request.num_computed_tokens - start) // tpp, len(request.page_ids) - head) if tpp else 0
+        if head + full <= done:
             return
-        names, pages, register = self.block_hashes(request, kind, full), request.page_ids, self.pool.register
-        for i in range(done, full):
-            register(pages[i], names[i])
-        request.num_named_pages = full
+        if head:
+            names = self.segment_hashes(request, request.prefix_kind, head, kind, full)
+        else:
+            names = self.block_hashes(request, kind, full)
+        pages, register = request.page_ids, self.pool.register
+        for i in range(done - head, full):
+            register(pages[head + i], names[i])
+        request.num_named_pages = head + full
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix nobody uses, in memory and in the tier (pages in use keep their
@@ -391,7 +493,7 @@ class CacheManager:
             return None
         plan = SwapPlan(request.request_id, request.page_ids[:num], slots, request.kind)
         # Pages beyond num: grown this step, empty. Named ones stay findable (tail first, as in free).
-        self.pool.free(request.page_ids[::-1], request.request_id)
+        self.pool.free(request.page_ids[::-1], request.request_id, retention_weight(request.priority))
         request.page_ids = []
         request.num_named_pages = 0
         request.swap_slots = slots
@@ -428,7 +530,7 @@ class CacheManager:
         """Preempted in the step that swapped it in: its bytes are still in the slots (released only
         after the step), so it goes back to them and no copy runs either way."""
         self._deferred_slots.remove((plan.slots, request.request_id))
-        self.pool.free(request.page_ids[::-1], request.request_id)
+        self.pool.free(request.page_ids[::-1], request.request_id, retention_weight(request.priority))
         request.page_ids = []
         request.swap_slots = plan.slots
         request.kind = request.last_kind = plan.kind
@@ -457,9 +559,12 @@ class CacheManager:
         plan = ConversionPlan(request.request_id, request.num_computed_tokens - start, own, pages,
                               request.kind, CacheKind.KV, start)
         self._deferred.append((own[::-1], request.request_id))
+        exact = not request.kind.is_int8  # K/V projected from x: what a forward pass writes
         request.kind = request.last_kind = CacheKind.KV
         request.page_ids = request.page_ids[:head] + pages
-        request.num_named_pages = -1  # projected or dequantised: not what a forward pass writes
+        # Named again after the step has written them (``name_computed_pages``), where exact; dequantised
+        # K/V are not what a KV request would compute, and must not be found as such.
+        request.num_named_pages = head if exact else -1
         request.num_upgrades += 1
         _merge_prefix_segment(request)
         return plan
@@ -536,7 +641,10 @@ class CacheManager:
             request.prefix_kind, request.num_prefix_pages, request.num_prefix_tokens = request.kind, head, start
         request.kind = request.last_kind = kind
         request.page_ids = request.page_ids[:head] + dst
-        request.num_named_pages = -1
+        # Its pages of ``kind`` are named after the step has written them (``name_computed_pages``): the
+        # conversation's next turn finds its history there. They hold its exact K/V (or x) quantised,
+        # at least as close to exact as what a request computing in ``kind`` would write itself.
+        request.num_named_pages = head
         request.num_compressions += 1
         _merge_prefix_segment(request)
         return plan

@@ -211,14 +211,14 @@ class Candidates:
                 row = n_run + i
                 if copy is not None and copy[row] >= 0:
                     continue
-                tokens, shared, kind = max(((*ctx.prefix_hit(r, k), k) for k in kinds), key=lambda t: t[0])
+                tokens, shared, extra, kind = max(((*ctx.prefix_hit(r, k), k) for k in kinds), key=lambda t: t[0])
                 if tokens:
                     if hit_kind is None:
                         hit_kind = np.full(n, NO_PAGES, dtype=np.int64)
                     code = KIND_CODE[kind]
                     hit_kind[row] = code
                     num_computed[row] = tokens
-                    mem[code, row] -= shared
+                    mem[code, row] = max(0, mem[code, row] + extra - shared)
                     mem_held[row] = mem[0, row]
         is_decoding = np.zeros(n, dtype=bool)
         is_decoding[:n_run] = ~np.isnan(first[:n_run]) & (num_tokens[:n_run] - num_computed[:n_run] == 1)

@@ -153,7 +153,7 @@ class SchedulingContext:
         self._swap_outs = []
         self._swap_ins = {}  # request id -> its SwapPlan, this step
         self.planned_extra_s = 0.0  # what the policy priced kind changes and transfers at (seconds)
-        self._prefix_found: dict[tuple[int, CacheKind], tuple[int, int]] = {}  # prefix_hit, this decision
+        self._prefix_found: dict[tuple[int, CacheKind], tuple[int, int, int]] = {}  # prefix_hit, this decision
 
     # Read-only views
     @property
@@ -231,22 +231,31 @@ class SchedulingContext:
         """Whether ``request``'s pages come back from the tier below memory this step."""
         return request.request_id in self._swap_ins
 
-    def prefix_hit(self, request: Request, kind: CacheKind | None = None) -> tuple[int, int]:
-        """What ``request`` (holding nothing) would find in the prefix cache in ``kind`` (by default the
-        kind it would be given) if admitted now: the tokens it would not compute, and how many of the
-        pages holding them other requests use (those cost no free page). (0, 0) for a request holding
-        pages or a copy in the tier, and without prefix caching."""
+    def prefix_hit(self, request: Request, kind: CacheKind | None = None) -> tuple[int, int, int]:
+        """What ``request`` (holding nothing) would find in the prefix cache for ``kind`` (by default the
+        kind it would be given) if admitted now: the tokens it would not compute, how many of the pages
+        holding them other requests use (those cost no free page), and how many more pages than all in
+        ``kind`` it would hold for its tokens and the next (a prefix segment of another kind holds them
+        at that kind's density; negative where denser). (0, 0, 0) for a request holding pages or a copy
+        in the tier, and without prefix caching."""
         cache = self._s.cache
         if not cache.prefix_caching or request.page_ids or request.swap_slots:
-            return 0, 0
+            return 0, 0, 0
         kind = kind or request.kind or self.default_kind()
         key = (id(request), kind)
         found = self._prefix_found.get(key)
         if found is None:
-            pages, slots = cache.find_prefix(request, kind)  # slots: pages that come back from the tier
-            refs = cache.pool.refs
-            found = self._prefix_found[key] = ((len(pages) + len(slots)) * cache.layout.tokens_per_page(kind),
-                                               sum(1 for p in pages if refs(p) > 0))
+            match = cache.find_prefix(request, kind)  # its slots: pages that come back from the tier
+            if match is None:
+                found = (0, 0, 0)
+            else:
+                refs, lay, extra = cache.pool.refs, cache.layout, 0
+                if match.prefix_kind is not None:
+                    need, head = request.num_tokens + 1, match.num_prefix_pages * lay.tokens_per_page(match.prefix_kind)
+                    extra = (match.num_prefix_pages + lay.num_pages_for(need - head, kind)
+                             - lay.num_pages_for(need, kind))
+                found = (match.num_tokens, sum(1 for p in match.pages if refs(p) > 0), extra)
+            self._prefix_found[key] = found
         return found
 
     def tokens_to_compute(self, request: Request, kind: CacheKind | None = None) -> int:
