@@ -63,6 +63,10 @@ class EngineConfig:
     # over their tokens and a request starts from the longest cached prefix of its tokens, in the kind
     # it is admitted in. Off: every request computes every token (the engine before prefix caching).
     enable_prefix_caching: bool = True
+    # Which cached page nobody uses is evicted first (``cache/page_pool.py``): "value" (the default:
+    # the one worth least by the requests that took it, their priority and the prefill it saves,
+    # ageing) or "lru" (the least recently released, vLLM's rule).
+    prefix_cache_retention: str = "value"
     # The grammar library that masks structured outputs (``apt_serve_ray.structured``).
     structured_output_backend: str = "llguidance"
     # Batching.
@@ -120,6 +124,11 @@ class EngineConfig:
                      "calibrate_rho", "cache_proj_optimize", "engine_process"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")
+        from apt_serve_ray.cache.page_pool import RETENTIONS
+
+        if self.prefix_cache_retention not in RETENTIONS:
+            raise ValueError(f"prefix_cache_retention: must be one of {list(RETENTIONS)}, "
+                             f"got {self.prefix_cache_retention!r}")
         from apt_serve_ray.structured import GRAMMAR_BACKENDS
 
         if self.structured_output_backend not in GRAMMAR_BACKENDS:

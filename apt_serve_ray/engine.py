@@ -73,7 +73,7 @@ class LLMEngine:
             self.max_model_len = kv_capacity
         self.vocab_size = self.runner.vocab_size
         self.swap = self._make_swap_space()
-        self.cache = CacheManager(PagePool(self.runner.num_pages), self.layout, self.swap,
+        self.cache = CacheManager(PagePool(self.runner.num_pages, config.prefix_cache_retention), self.layout, self.swap,
                                   enable_prefix_caching=config.enable_prefix_caching)
         self.hidden_allowed = config.hidden_allowed(self.layout.hidden_saves_memory)
         self.compressed_kinds = config.compressed_kinds(self.layout)
