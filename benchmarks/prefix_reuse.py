@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import platform
 import sys
@@ -221,6 +222,79 @@ def run_serve(args) -> dict:
     return {"results": results}
 
 
+# Simulated (a lab study: the real scheduler, pool and prefix cache on a cost model's clock) ----------
+def run_sim(args) -> dict:
+    """Every ``--variants`` entry (``name`` or ``name:key=value,...``, EngineConfig fields over the
+    shipped scheduling: apt, hidden + kv-int8 under engine watermarks, a tier) on the same sessions,
+    replayed on ``SimulatedEngine`` (its replies are one token id repeated: the history re-sent is
+    still the conversation's own). No model, no HTTP, no controller: for comparing cache rules side by
+    side in seconds, not for comparing with vLLM."""
+    from apt_serve_ray.bench.simulator import OUTPUT_TOKEN_ID, CostModel, SimulatedEngine
+    from apt_serve_ray.bench.slo_metrics import RequestTimeline as Timeline
+    from apt_serve_ray.config import EngineConfig
+    from apt_serve_ray.scheduler.costs import StepCosts
+
+    spec = dataclasses.replace(spec_of(args), vocab_size=32_000)
+    cost = CostModel(base_s=args.sim_cost[0], per_token_s=args.sim_cost[1], per_context_s=args.sim_cost[2],
+                     prefill_pair_s=args.sim_cost[3], hidden_context_s=args.sim_cost[4])
+    results = {}
+    for variant in args.variants:
+        name, _, options = variant.partition(":")
+        overrides = {k: _value(v) for k, v in (kv.split("=", 1) for kv in options.split(",") if kv)}
+        config = EngineConfig(**{**dict(policy="apt", cache_kinds=["hidden", "kv-int8"], cache_ratio=0.0,
+                                        max_num_batched_tokens=args.max_num_batched_tokens,
+                                        max_num_seqs=args.max_num_seqs, swap_space=4.0, enable_watermarks=True,
+                                        max_hidden_ratio=0.7), **overrides})
+        results[name] = []
+        for seed in args.seeds:
+            for rate in args.rates:
+                sessions = make_sessions(spec, rate, args.cv, seed)
+                sim = SimulatedEngine(config, num_pages=args.num_pages, cost=cost, max_model_len=args.max_model_len)
+                if hasattr(sim.scheduler.policy, "set_costs"):  # as the engine calibrates them: rho, step times
+                    sim.scheduler.policy.set_costs(StepCosts(rho=args.sim_rho, step_time=cost))
+                records = _replay(sim, sessions, Timeline, OUTPUT_TOKEN_ID)
+                a = analyze(records, sim.now)
+                a.update(rate=rate, seed=seed, ideal_hit_rate=shared_token_share(sessions))
+                results[name].append(a)
+                print(row(name, a), flush=True)
+    return {"results": results, "cost_model": dataclasses.asdict(cost)}
+
+
+def _value(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _replay(sim, sessions: list[Session], Timeline, reply_token: int) -> list:
+    """The sessions on the simulated clock: each turn arrives at its time (the first at the session's
+    start, the next a think time after the previous reply), with the history re-sent."""
+    pending = sorted(((s.start_s, s.session_id, s, 0, list(s.prefix)) for s in sessions), key=lambda e: e[:2])
+    live, records = {}, []
+    while pending or live:
+        if not live and pending and pending[0][0] > sim.now:
+            sim.now = pending[0][0]
+        while pending and pending[0][0] <= sim.now:
+            _, _, s, turn, history = pending.pop(0)
+            prompt = history + s.messages[turn]
+            r = sim.add(0, s.output_lens[turn], prompt_token_ids=prompt, ttft_slo_ms=s.service.ttft_slo_ms,
+                        tbt_slo_ms=s.service.tbt_slo_ms, priority=s.service.priority)
+            live[r.request_id] = (s, turn, prompt, r)
+        sim.step()
+        for rid in [rid for rid, (*_, r) in live.items() if r.is_finished]:
+            s, turn, prompt, r = live.pop(rid)
+            t = Timeline(rid, r.arrival_time, r.first_token_time, list(r.token_times), r.finish_time,
+                         len(prompt), len(r.output_token_ids), ttft_slo_ms=s.service.ttft_slo_ms,
+                         tbt_slo_ms=s.service.tbt_slo_ms)
+            records.append((s, turn, t, r.num_cached_tokens or 0))
+            if turn + 1 < s.num_turns:
+                at = sim.now + s.think_s[turn]
+                pending.append((at, s.session_id, s, turn + 1, prompt + [reply_token] * len(r.output_token_ids)))
+                pending.sort(key=lambda e: e[:2])
+    return records
+
+
 # Report ------------------------------------------------------------------------------------------
 def _fmt(x, pattern="{:.0f}"):
     return "-" if x is None else pattern.format(x)
@@ -257,7 +331,7 @@ def report(path: Path) -> str:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("mode", choices=("serve", "report"))
+    p.add_argument("mode", choices=("serve", "sim", "report"))
     p.add_argument("--servers", nargs="+", default=["ours", "vllm", "ours-nopc", "vllm-nopc"])
     p.add_argument("--rates", nargs="+", type=float, default=[0.15, 0.3, 0.6], help="sessions a second")
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
@@ -283,6 +357,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "apt-serve-ray")
     p.add_argument("--log-dir", default="/tmp")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--variants", nargs="+", default=["value", "lru:prefix_cache_retention=lru"],
+                   help="sim: name[:EngineConfig field=value,...] each")
+    # The step-time model the engine calibrated at start-up for random OPT-125m in fp32 on one thread
+    # of the Intel Xeon (AMX) of 2026-12-04 (``StepCosts.step_time``; hidden: per token of hidden context).
+    p.add_argument("--sim-cost", nargs=5, type=float, default=[0.031, 0.00104, 9.4e-6, 5.5e-7, 2.1e-6],
+                   metavar=("BASE_S", "PER_TOKEN_S", "PER_CONTEXT_S", "PREFILL_PAIR_S", "HIDDEN_CONTEXT_S"),
+                   help="sim: the step-time cost model")
+    p.add_argument("--sim-rho", type=float, default=3.4e-5, help="sim: seconds a step per hidden page (calibrated as above)")
     return p.parse_args(argv)
 
 
@@ -295,7 +377,7 @@ def main(argv=None) -> None:
         return
     import mixed_traffic as mt
 
-    data = run_serve(args)
+    data = run_sim(args) if args.mode == "sim" else run_serve(args)
     data.update(machine={"cpu": cpu_name(), "native_bf16": has_native_bf16(), "python": platform.python_version()},
                 git=mt.git_state(), command=" ".join(sys.argv),
                 args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()})

@@ -62,6 +62,47 @@ def test_the_free_list_goes_first_then_the_least_recently_released_tail_pages():
     pool.check_integrity()
 
 
+def test_value_retention_gives_pages_worth_more_a_head_start_that_ages_out():
+    from apt_serve_ray.cache.page_pool import RETENTION_SPAN, retention_weight
+
+    pool = PagePool(8)
+    pool.page_value = {**pool.page_value, CacheKind.HIDDEN: 2.0}  # a hidden page saves 2x a KV page's prefill
+    gold, hidden, plain, batch = (pool.allocate(1, CacheKind.HIDDEN if o == "h" else CacheKind.KV, o)[0]
+                                  for o in ("g", "h", "p", "b"))
+    for page, name in zip((gold, hidden, plain, batch), H):
+        pool.register(page, name)
+    pool.free([gold], "g", retention_weight(-10))  # released first, worth 2
+    pool.free([hidden], "h")  # worth 2 (its kind)
+    pool.free([plain], "p")  # worth 1
+    pool.free([batch], "b", retention_weight(10))  # released last, worth 0.5
+    assert retention_weight(0) == 1.0 and retention_weight(10) == 0.5 and retention_weight(-10) == 2.0
+    # Least worth first, whatever the order they were released in; equal worth: the older first.
+    assert pool.allocate(6, CacheKind.KV, "new") == [4, 5, 6, 7, batch, plain]
+    assert pool.allocate(1, CacheKind.KV, "new") == [gold]
+    pool.free([0], "new")
+    pool.check_integrity()
+    # The head start is bounded: a gold page goes before plain pages released long enough after it.
+    pool = PagePool(4)
+    first = pool.allocate(1, CacheKind.KV, "g")[0]
+    pool.register(first, H[0])
+    pool.free([first], "g", retention_weight(-10))
+    later = []
+    for i in range(int(RETENTION_SPAN * pool.num_pages) + 2):
+        page = pool.allocate(1, CacheKind.KV, f"r{i}")[0]
+        pool.register(page, H[i + 1])
+        pool.free([page], f"r{i}")
+        later.append(page)
+    assert first in pool._cached and pool.allocate(3, CacheKind.KV, "x")[0] == first
+    lru = PagePool(3, retention="lru")
+    a, b = lru.allocate(2, CacheKind.KV, "a")
+    lru.register(a, H[0]), lru.register(b, H[1])
+    lru.free([a], "a", retention_weight(-50))
+    lru.free([b], "a")
+    assert lru.allocate(2, CacheKind.KV, "c") == [2, a]  # least recently released, whatever its worth
+    with pytest.raises(ValueError, match="retention"):
+        PagePool(3, retention="mru")
+
+
 def test_one_slot_allocator_under_both_tiers():
     from apt_serve_ray.cache.slots import SlotAllocator
     from apt_serve_ray.cache.swap import SwapSpace
@@ -104,13 +145,25 @@ def test_a_request_takes_the_longest_cached_prefix_but_always_computes_its_last_
                      tbt_slo_ms=1e3)
     assert cache.attach_prefix(longer, CacheKind.KV) == 32 and longer.page_ids == first.page_ids[:2]
     other_kind = Request("d", list(range(100, 164)), sp, max_total_tokens=1000, ttft_slo_ms=1e4, tbt_slo_ms=1e3)
-    assert cache.attach_prefix(other_kind, CacheKind.HIDDEN) == 0  # a kind's chain names its own pages
-    cache.check_integrity([first, same, longer])
-    cache.free(first)
-    cache.free(same)
-    cache.free(longer)
+    # A request in another kind takes the KV pages as its prefix segment (K/V read as they are).
+    assert cache.attach_prefix(other_kind, CacheKind.HIDDEN) == 48
+    assert (other_kind.prefix_kind, other_kind.num_prefix_pages, other_kind.num_prefix_tokens) == (CacheKind.KV, 3, 48)
+    assert cache.allocate(other_kind, 64) and len(other_kind.page_ids) == 4
+    other_kind.num_computed_tokens = 64
+    cache.name_computed_pages(other_kind)  # its hidden page after the segment: not full (16 of 32)
+    assert other_kind.num_named_pages == 3
+    cache.check_integrity([first, same, longer, other_kind])
+    hidden = Request("e", list(range(200, 265)), sp, max_total_tokens=1000, ttft_slo_ms=1e4, tbt_slo_ms=1e3)
+    assert cache.allocate(hidden, 64, CacheKind.HIDDEN)
+    hidden.num_computed_tokens = 64
+    cache.name_computed_pages(hidden)
+    again = Request("f", list(range(200, 265)), sp, max_total_tokens=1000, ttft_slo_ms=1e4, tbt_slo_ms=1e3)
+    assert cache.attach_prefix(again, CacheKind.KV) == 0  # x would be projected every step: not taken
+    assert cache.attach_prefix(again, CacheKind.HIDDEN) == 64
+    for r in (first, same, longer, other_kind, hidden, again):
+        cache.free(r)
     cache.check_integrity([])
-    assert cache.pool.num_used_pages == 0 and cache.pool.num_cached_free_pages == 4
+    assert cache.pool.num_used_pages == 0 and cache.pool.num_cached_free_pages == 4 + 2
 
 
 def test_a_cache_salt_keeps_a_tenants_pages_to_itself():
@@ -208,6 +261,40 @@ def test_compressed_kinds_share_their_own_pages_with_the_same_output(opt_tiny, k
     off, _, _ = _generate(opt_tiny, prompts, enable_prefix_caching=False, **kw)
     assert on == off
     assert cached[1] > 0 and engine.cache.prefix_stats.hits[kind] == sum(cached)
+
+
+@pytest.mark.parametrize("kind, exact", [("hidden", True), ("kv-int8", False)])
+def test_a_kv_prefix_serves_a_request_in_another_kind_and_what_it_adds_is_found_next(opt_tiny, kind, exact):
+    # A system prompt cached in KV pages; then (the ratio raised) requests admitted in ``kind``: they
+    # take the KV pages as their prefix segment, write their own tokens in ``kind``, and name those
+    # after the segment, so the conversation's next turn finds both.
+    system = _tokens(96, 40)  # 6 KV pages of 16
+    first, second = system + _tokens(9, 41), system + _tokens(60, 42)
+
+    def run(prefix_caching):
+        llm = LLM(opt_tiny, dtype="float32", num_pages=64, max_num_batched_tokens=64, calibrate_rho=False,
+                  swap_space=0, policy="sarathi", cache_kinds=[kind], enable_prefix_caching=prefix_caching)
+        engine = llm.llm_engine
+        outs = _drain(engine, [first], GREEDY)  # cache_ratio 0: KV
+        engine.adjust_cache_ratio(1.0)  # sarathi gives new requests the compressed kind from now on
+        outs += _drain(engine, [second], GREEDY)
+        third = second + list(outs[-1].outputs[0].token_ids) + _tokens(7, 43)
+        outs += _drain(engine, [third], GREEDY)
+        return outs, engine
+
+    on, engine = run(True)
+    off, _ = run(False)
+    tpp = engine.cache.layout.tokens_per_page(CacheKind(kind))
+    own = len(second) + GREEDY.max_tokens - 1 - 96  # its tokens in K/V or x when it finished
+    assert own >= tpp and [o.num_cached_tokens for o in on] == [0, 96, 96 + own // tpp * tpp]
+    if exact:  # the prefix read as K/V instead of projected from x: the same numbers
+        assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
+    else:  # the prefix exact instead of quantised: it agrees with the all-int8 run on most tokens
+        agree = sum(a == b for o1, o2 in zip(on, off) for a, b in zip(o1.outputs[0].token_ids, o2.outputs[0].token_ids))
+        assert agree >= 0.75 * 3 * GREEDY.max_tokens
+    stats = engine.cache.prefix_stats
+    assert stats.hits["kv"] == 2 * 96 and stats.hits[kind] == on[2].num_cached_tokens - 96
+    engine.check_integrity()
 
 
 # Randomised bookkeeping ---------------------------------------------------------------------------
