@@ -16,7 +16,7 @@ from apt_serve_ray.model_loader import ModelSource, load_config, load_state_dict
 from apt_serve_ray.models import DecoderModel, model_class
 from apt_serve_ray.models.llama import sliding_window
 from apt_serve_ray.attention import AttentionMetadata, DecodeGroup, PrefillChunk, SlotWrite, make_backend
-from apt_serve_ray.attention.metadata import ContextSegment
+from apt_serve_ray.attention.metadata import ContextSegment, SegmentedDecode
 from apt_serve_ray.attention.backend import read_kv
 from apt_serve_ray.request import CacheKind, Request
 from apt_serve_ray.sampler import SampledToken, Sampler
@@ -61,7 +61,8 @@ class ModelRunner:
         model_max = getattr(self.hf_config, "max_position_embeddings", None) or 2048
         if config.max_model_len is not None and config.max_model_len > model_max:
             raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's context {model_max}")
-        window = sliding_window(self.hf_config)
+        cls = model_class(self.hf_config.model_type)
+        window = None if cls.masks_sliding_window else sliding_window(self.hf_config)
         if window is not None and window < model_max:
             # Attention within the window is full attention for sequences that fit in it.
             if config.max_model_len is not None and config.max_model_len > window:
@@ -72,7 +73,6 @@ class ModelRunner:
                                model_max, window)
             model_max = window
         self.max_model_len = config.max_model_len or model_max
-        cls = model_class(self.hf_config.model_type)
         state = load_state_dict(source, self.dtype)
         self.model: DecoderModel = cls(self.hf_config, state, self.device, self.dtype, self.max_model_len)
         del state
@@ -150,6 +150,7 @@ class ModelRunner:
         positions: list[int] = []
         writes = {kind: ([], []) for kind in CacheKind}  # (rows, slots)
         decodes = {kind: [] for kind in CacheKind}  # (row, context length, pages)
+        segmented: dict[tuple, list] = {}  # (prefix kind, kind) -> decode rows over two K/V segments
         prefills: list[PrefillChunk] = []
         sample_rows: list[int] = []
         sample_requests: list[Request] = []
@@ -166,7 +167,11 @@ class ModelRunner:
             if r.num_prefix_pages:  # a shared prefix in another kind: the rest starts after its pages
                 head, first = r.num_prefix_pages, r.num_prefix_tokens
                 slots.extend(page_ids[head + (p - first) // tpp] * tpp + (p - first) % tpp for p in range(start, end))
-                prefills.append(self._segmented_chunk(r, row, n, start, end))  # its decode rows too
+                if n == 1 and not (r.kind.stores_hidden or r.prefix_kind.stores_hidden):
+                    own = page_ids[head: head + (end - first + tpp - 1) // tpp]
+                    segmented.setdefault((r.prefix_kind, r.kind), []).append((row, first, page_ids[:head], end - first, own))
+                else:
+                    prefills.append(self._segmented_chunk(r, row, n, start, end))
             elif n == 1:
                 slots.append(page_ids[start // tpp] * tpp + start % tpp)
                 decodes[r.kind].append((row, end, page_ids[: (end + tpp - 1) // tpp]))
@@ -184,6 +189,11 @@ class ModelRunner:
                 sample_requests.append(r)
             row += n
         meta = AttentionMetadata(storage=self.storage, num_tokens=row, backend=self.attention, prefills=prefills)
+        for (prefix_kind, kind), entries in segmented.items():
+            prefix = self._decode_group([(e[0], e[1], e[2]) for e in entries], prefix_kind)
+            own = self._decode_group([(e[0], e[3], e[4]) for e in entries], kind)
+            meta.decode_segmented.append(SegmentedDecode(prefix.rows, prefix_kind, kind, prefix, own,
+                                                         self._to(torch.tensor([e[1] for e in entries]))))
         meta.kv_write, meta.hidden_write, meta.kv_int8_write, meta.hidden_int8_write = (
             self._slot_write(*writes[kind], kind) for kind in _KINDS)
         meta.decode_kv, meta.decode_hidden, meta.decode_kv_int8, meta.decode_hidden_int8 = (

@@ -45,6 +45,40 @@ def test_kv_decode_matches_reference(dtype, heads, kv_heads, dim, part_tokens, t
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("part_tokens", [0, 32])
+def test_two_segments_decoded_apart_and_merged_by_their_lse_are_one_context(dtype, part_tokens, threads):
+    """A shared KV prefix and a request's own pages after it (kv or kv-int8), each through its decode
+    kernel with its log-sum-exp, merged (``merge_segments``): the attention over the whole context; the
+    int8 kernel's log-sum-exp is that of its pages dequantised. (Whole engines with segments, on both
+    backends: test_prefix_segments.py.)"""
+    from apt_serve_ray.attention.backend import merge_segments
+    from apt_serve_ray.cache.quant import quantize
+
+    g = torch.Generator().manual_seed(7)
+    heads, kvh, dim, bs, num_pages = 8, 2, 32, 16, 80
+    kv = torch.randn(num_pages, bs, 2, kvh, dim, generator=g).to(dtype)
+    q = torch.randn(len(LENGTHS), heads, dim, generator=g).to(dtype)
+    prefix = [48, 16, 32, 64, 16, 96, 32]  # whole pages
+    own = [max(1, n - p) for n, p in zip(LENGTHS, prefix)]
+    t1, t2 = _table(prefix, bs, num_pages, g), _table(own, bs, num_pages, g)
+    l1, l2 = torch.tensor(prefix, dtype=torch.int32), torch.tensor(own, dtype=torch.int32)
+    o1, lse1 = ca.kv_decode_lse(q, kv, t1, l1, dim**-0.5, part_tokens)
+    o2, lse2 = ca.kv_decode_lse(q, kv, t2, l2, dim**-0.5, part_tokens)
+    whole = torch.cat([t1, t2], 1)  # the request's pages: the prefix's, then its own
+    for i, p in enumerate(prefix):
+        whole[i, : p // bs + t2.shape[1]] = torch.cat([t1[i, : p // bs], t2[i]])
+    ref = ca.kv_decode_reference(q.float(), kv.float(), whole, l1 + l2, dim**-0.5)
+    assert (merge_segments(o1, lse1, o2, lse2).float() - ref).abs().max() < _tolerance(dtype)
+    # The int8 kernel's log-sum-exp: its pages dequantised are what it attends over.
+    data, scales = quantize(kv.float().view(num_pages, bs, 2, kvh, dim), dim)
+    o8, lse8 = ca.kv_int8_decode_lse(q, data, scales.view(num_pages, bs, 2, kvh).contiguous(), t2, l2, dim**-0.5,
+                                     part_tokens)
+    deq = (data.float() * scales.view(num_pages, bs, 2, kvh, 1)).to(dtype)
+    _, lse_deq = ca.kv_decode_lse(q, deq, t2, l2, dim**-0.5, part_tokens)
+    assert (lse8 - lse_deq).abs().max() < 1e-3 * (1 if dtype == torch.float32 else 30)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rope", [False, True], ids=["learned-positions", "rope"])
 @pytest.mark.parametrize("heads,kv_heads,dim,hid", [(4, 4, 16, 64), (4, 2, 32, 128), (12, 12, 64, 768), (3, 3, 10, 30)])
 @pytest.mark.parametrize("bias", [False, True])

@@ -17,8 +17,11 @@ Per layer, for the flat batch of this step's tokens (``forward``):
 
 Every request reads only its own pages in their kinds, so mixed batches are exact for every kind. A
 request that keeps a shared prefix in another kind (a compression in place does not rewrite the pages
-other requests share) has its context in two segments: all its rows go the prefill way, each segment
-read in its kind, attended as one (``read_context_kv``).
+other requests share; a request admitted in one kind takes a prefix cached in another) has its context
+in two segments. Its decode rows, where both segments store K/V, attend each segment as a decode
+group of its kind and merge the two by their log-sum-exps (``decode_segmented``: on CPU the C++ decode
+kernels, which return them); its other rows go the prefill way, each segment read in its kind,
+attended as one (``read_context_kv``).
 Padded decode slots read any page (page 0, or the stale tail of the request's last page), whose bytes
 in another kind may be NaN as floats: they are zeroed before attending, not only masked.
 """
@@ -28,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from apt_serve_ray.attention.metadata import AttentionMetadata, DecodeGroup, KVProjection, PrefillChunk
+from apt_serve_ray.attention.metadata import AttentionMetadata, DecodeGroup, KVProjection, PrefillChunk, SegmentedDecode
 from apt_serve_ray.cache.quant import dequantize
 from apt_serve_ray.cache.storage import CacheStorage
 from apt_serve_ray.request import CacheKind
@@ -49,8 +52,14 @@ class AttentionBackend:
         return f"{self.name} (hidden decode {'fused' if self.fused_hidden else 'unfused: gather x, project K/V'})"
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor,
-                proj: KVProjection, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q [T, H, D] rotated, k/v [T, KVH, D] (k rotated), x [T, HID] the K/V projection's input."""
+                proj: KVProjection, meta: AttentionMetadata, scale: float, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
+        """q [T, H, D] rotated, k/v [T, KVH, D] (k rotated), x [T, HID] the K/V projection's input.
+        ``window``: a query sees only the keys less than ``window`` positions behind it (sliding-window
+        layers); ``softcap``: scores go through ``softcap * tanh(score / softcap)`` (Gemma 2). Either
+        one takes every row of the layer the reference way (``_forward_masked``), on every backend."""
+        if window is not None or softcap is not None:
+            return self._forward_masked(layer, q, k, v, x, proj, meta, scale, window, softcap)
         self.write(layer, k, v, x, meta)
         storage = meta.storage
         out = torch.empty_like(q)
@@ -66,9 +75,79 @@ class AttentionBackend:
         if meta.decode_hidden_int8 is not None:
             g = meta.decode_hidden_int8
             out[g.rows] = self.decode_hidden_int8(layer, q[g.rows].contiguous(), g, storage, proj, scale)
+        for seg in meta.decode_segmented:
+            out[seg.rows] = self.decode_segmented(layer, q[seg.rows].contiguous(), seg, storage, scale)
         for c in meta.prefills:
             s, e = c.row_start, c.row_start + c.num_tokens
             out[s:e] = self.prefill(layer, q[s:e], k[s:e], v[s:e], c, storage, proj, scale)
+        return out
+
+    def decode_segmented(self, layer: int, q, seg: SegmentedDecode, storage: CacheStorage, scale: float):
+        """Each segment by itself (``decode_lse``), merged by the log-sum-exps: attention over both."""
+        o1, lse1 = self.decode_lse(layer, q, seg.prefix_kind, seg.prefix, storage, scale)
+        o2, lse2 = self.decode_lse(layer, q, seg.kind, seg.own, storage, scale)
+        return merge_segments(o1, lse1, o2, lse2)
+
+    def decode_lse(self, layer: int, q, kind: CacheKind, g: DecodeGroup, storage: CacheStorage, scale: float):
+        """Decode rows over pages of a K/V-storing kind: the output [B, H, D] and each head's log-sum-exp
+        of the scaled scores (float32 [B, H]). The reference: gather, dequantise, attend."""
+        valid = _gather_index(g, "valid", storage)
+        keys, values = read_kv(layer, storage, kind, _gather_index(g, "pages", storage),
+                               _gather_index(g, "offsets", storage), None, None, q.dtype, valid)  # [B, L, KVH, D]
+        batch, heads, dim = q.shape
+        kvh = keys.shape[2]
+        qg = q.view(batch, kvh, heads // kvh, dim)
+        scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).float().mul_(scale)  # [B, KVH, G, L]
+        scores.masked_fill_(~valid[:, None, None], float("-inf"))
+        lse = torch.logsumexp(scores, -1)
+        o = torch.matmul(torch.exp(scores - lse[..., None]).to(values.dtype), values.transpose(1, 2))
+        return o.reshape(batch, heads, dim), lse.reshape(batch, heads)
+
+    def _forward_masked(self, layer: int, q, k, v, x, proj: KVProjection, meta: AttentionMetadata, scale: float,
+                        window: int | None, softcap: float | None) -> torch.Tensor:
+        """Every row with an explicit mask (causal, padding, the window) and capped scores: decode rows
+        read their context as a prefill chunk does (``read_kv``), in whatever kind it is held."""
+        self.write(layer, k, v, x, meta)
+        storage = meta.storage
+        out = torch.empty_like(q)
+        groups = ((CacheKind.KV, meta.decode_kv), (CacheKind.HIDDEN, meta.decode_hidden),
+                  (CacheKind.KV_INT8, meta.decode_kv_int8), (CacheKind.HIDDEN_INT8, meta.decode_hidden_int8))
+        for kind, g in groups:
+            if g is None:
+                continue
+            valid = _gather_index(g, "valid", storage)  # [B, L]
+            keys, values = read_kv(layer, storage, kind, _gather_index(g, "pages", storage),
+                                   _gather_index(g, "offsets", storage), proj, _gather_index(g, "positions", storage),
+                                   q.dtype, valid)
+            if window is not None:
+                pos, last = _gather_index(g, "positions", storage), g.ctx_lens.long() - 1
+                valid = valid & (pos[None, :] > (last - window)[:, None])
+            out[g.rows] = masked_attention(q[g.rows][:, None], keys, values, valid[:, None], scale, softcap)[:, 0]
+        for seg in meta.decode_segmented:  # both segments read, attended as one
+            parts, allowed = [], []
+            last = seg.prefix_tokens.long() + seg.own.ctx_lens.long() - 1
+            for kind, g, start in ((seg.prefix_kind, seg.prefix, 0), (seg.kind, seg.own, seg.prefix_tokens.long())):
+                valid = _gather_index(g, "valid", storage)
+                parts.append(read_kv(layer, storage, kind, _gather_index(g, "pages", storage),
+                                     _gather_index(g, "offsets", storage), None, None, q.dtype, valid))
+                if window is not None:
+                    pos = _gather_index(g, "positions", storage)[None, :] + (start[:, None] if g is seg.own else 0)
+                    valid = valid & (pos > (last - window)[:, None])
+                allowed.append(valid)
+            keys, values = torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
+            out[seg.rows] = masked_attention(q[seg.rows][:, None], keys, values, torch.cat(allowed, 1)[:, None],
+                                             scale, softcap)[:, 0]
+        for c in meta.prefills:
+            s, e = c.row_start, c.row_start + c.num_tokens
+            if c.start_pos == 0 and not c.kind.is_int8 and c.segments is None:
+                keys, values = k[s:e], v[s:e]
+            else:
+                keys, values = read_context_kv(layer, storage, c, proj, q.dtype)
+            allowed = _chunk_mask(c, q.device)
+            if window is not None:
+                qpos = torch.arange(c.start_pos, c.start_pos + c.num_tokens, device=q.device)[:, None]
+                allowed &= torch.arange(allowed.shape[1], device=q.device)[None, :] > qpos - window
+            out[s:e] = masked_attention(q[None, s:e], keys[None], values[None], allowed[None], scale, softcap)[0]
         return out
 
     # 1. writes ------------------------------------------------------------------------------------
@@ -212,6 +291,29 @@ def _decode_attend(q, keys, values, add_mask, scale: float) -> torch.Tensor:
     qg = q.view(batch, kvh, heads // kvh, dim)
     scores = torch.matmul(qg, keys.transpose(-1, -2)).float().mul_(scale).add_(add_mask)  # [B, KVH, G, L]
     return torch.matmul(scores.softmax(-1).to(values.dtype), values).view(batch, heads, dim)
+
+
+def merge_segments(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
+    """Attention over two parts of a context, each normalised by itself with its log-sum-exp [B, H]
+    (the flash-decoding merge): weights exp(lse - max), outputs averaged by them."""
+    m = torch.maximum(lse1, lse2)
+    w1, w2 = torch.exp(lse1 - m)[..., None], torch.exp(lse2 - m)[..., None]
+    return ((o1.float() * w1 + o2.float() * w2) / (w1 + w2)).to(o1.dtype)
+
+
+def masked_attention(q, keys, values, allowed, scale: float, softcap: float | None = None) -> torch.Tensor:
+    """q [B, n, H, D] over keys / values [B, L, KVH, D] where ``allowed`` [B, n, L]; query heads grouped
+    per KV head (grouped-query attention needs no repeated K/V). Scores in float32, capped by
+    ``softcap * tanh(score / softcap)`` when given (Gemma 2), before the mask, as transformers does."""
+    batch, n, heads, dim = q.shape
+    kvh = keys.shape[2]
+    qg = q.reshape(batch, n, kvh, heads // kvh, dim).permute(0, 2, 3, 1, 4)  # [B, KVH, G, n, D]
+    scores = torch.matmul(qg, keys.permute(0, 2, 3, 1).unsqueeze(2)).float().mul_(scale)  # [B, KVH, G, n, L]
+    if softcap is not None:
+        scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
+    scores.masked_fill_(~allowed[:, None, None], float("-inf"))
+    o = torch.matmul(scores.softmax(-1).to(values.dtype), values.permute(0, 2, 1, 3).unsqueeze(2))
+    return o.permute(0, 3, 1, 2, 4).reshape(batch, n, heads, dim)
 
 
 def _gather_index(g: DecodeGroup, name: str, storage: CacheStorage) -> torch.Tensor:

@@ -94,6 +94,14 @@ class CpuBackend(AttentionBackend):
         return cpu_attention.hidden_decode_absorbed(q, hidden, g.block_table, g.ctx_lens, proj.w_kv, proj.b_kv,
                                                     proj.num_kv_heads, scale)
 
+    def decode_lse(self, layer: int, q, kind: CacheKind, g: DecodeGroup, storage: CacheStorage, scale: float):
+        if kind is CacheKind.KV:
+            return cpu_attention.kv_decode_lse(q, storage.kv[layer], g.block_table, g.ctx_lens, scale)
+        if kind is CacheKind.KV_INT8:
+            return cpu_attention.kv_int8_decode_lse(q, storage.kv_int8[layer], storage.kv_int8_scale[layer],
+                                                    g.block_table, g.ctx_lens, scale)
+        return super().decode_lse(layer, q, kind, g, storage, scale)
+
     def decode_kv_int8(self, layer: int, q, g: DecodeGroup, storage: CacheStorage, scale: float) -> torch.Tensor:
         return cpu_attention.kv_int8_decode(q, storage.kv_int8[layer], storage.kv_int8_scale[layer], g.block_table,
                                             g.ctx_lens, scale)

@@ -29,8 +29,10 @@ class KVProjection:
     num_kv_heads: int
     head_dim: int
     rotary: "RotaryEmbedding | None" = None
-    k_norm: torch.Tensor | None = None  # [D]: RMSNorm over each K head before RoPE (Qwen3)
+    k_norm: torch.Tensor | None = None  # [D]: RMSNorm over each K head before RoPE (Qwen3, Gemma 3)
     eps: float = 1e-6
+    # Gemma's RMSNorm: scaled by (1 + weight) in float32, then cast (Llama's casts, then scales).
+    gemma_norm: bool = False
 
     @property
     def has_rope(self) -> bool:
@@ -48,7 +50,8 @@ class KVProjection:
         k, v = kv.unbind(-3)
         if self.k_norm is not None:  # as the model's forward: float32 statistics
             h = k.float()
-            k = self.k_norm * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(k.dtype)
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+            k = (h * (1.0 + self.k_norm.float())).to(k.dtype) if self.gemma_norm else self.k_norm * h.to(k.dtype)
         if self.rotary is not None:
             k = self.rotary.apply(k, positions)
         return k, v
@@ -114,6 +117,24 @@ class PrefillChunk:
 
 
 @dataclass
+class SegmentedDecode:
+    """Decode rows of requests that keep a shared prefix in ``prefix_kind`` and their own pages in
+    ``kind`` (both kinds storing K/V): each segment is attended by itself as a decode group of its kind
+    (``prefix``: the prefix pages, ``ctx_lens`` the prefix tokens; ``own``: the pages after it, the new
+    token included) and the two are merged by their log-sum-exps (``merge_segments``)."""
+
+    rows: torch.Tensor  # [B] rows of the flat batch
+    prefix_kind: CacheKind
+    kind: CacheKind
+    prefix: DecodeGroup
+    own: DecodeGroup
+    prefix_tokens: torch.Tensor  # [B]: where each request's own segment starts (its positions)
+
+    def __len__(self) -> int:
+        return self.rows.numel()
+
+
+@dataclass
 class AttentionMetadata:
     """One step's writes and decode groups, one of each per cache kind (None: no row of that kind),
     and its prefill chunks (each carries its own kind). A decode group's ``tokens_per_page`` is its
@@ -131,3 +152,4 @@ class AttentionMetadata:
     decode_kv_int8: DecodeGroup | None = None
     decode_hidden_int8: DecodeGroup | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
+    decode_segmented: list[SegmentedDecode] = field(default_factory=list)  # per (prefix kind, kind)

@@ -110,6 +110,20 @@ def kv_decode(q, kv, block_table, ctx_lens, scale: float, part_tokens: int = 0) 
     return torch.ops.apt_serve.kv_decode(q, kv, block_table, ctx_lens, float(scale), int(part_tokens))
 
 
+def kv_decode_lse(q, kv, block_table, ctx_lens, scale: float, part_tokens: int = 0):
+    """``kv_decode`` and each head's log-sum-exp of the scaled scores (float32 [B, H]): attention over
+    one segment of a context, to be merged with another's (``merge_segments``)."""
+    load()
+    return torch.ops.apt_serve.kv_decode_lse(q, kv, block_table, ctx_lens, float(scale), int(part_tokens))
+
+
+def kv_int8_decode_lse(q, kv, kv_scale, block_table, ctx_lens, scale: float, part_tokens: int = 0):
+    """``kv_int8_decode`` and each head's log-sum-exp, as ``kv_decode_lse``."""
+    load()
+    return torch.ops.apt_serve.kv_int8_decode_lse(q, kv, kv_scale, block_table, ctx_lens, float(scale),
+                                                  int(part_tokens))
+
+
 def absorb_query(q: torch.Tensor, w_k: torch.Tensor, num_kv_heads: int, scale: float) -> torch.Tensor:
     """qk [B, H, HID] float32 = scale * W_k(head)^T q(head), with W_k [KVH * D, HID]."""
     batch, heads, dim = q.shape

@@ -22,7 +22,8 @@ using namespace apt_simd;
 // KV pages ----------------------------------------------------------------------------------------
 template <typename T>
 void kv_decode_impl(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& table,
-                    const torch::Tensor& lens, double scale, int64_t part_tokens, torch::Tensor& out) {
+                    const torch::Tensor& lens, double scale, int64_t part_tokens, torch::Tensor& out,
+                    float* lse = nullptr) {
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t bs = kv.size(1), kvh = kv.size(3), group = heads / kvh;
   const int64_t page_stride = kv.stride(0), tok_stride = kv.stride(1), v_off = kv.stride(2);
@@ -51,11 +52,12 @@ void kv_decode_impl(const torch::Tensor& q, const torch::Tensor& kv, const torch
       st.write(partials.data() + i * heads * row, path.acc_split);
     }
   });
-  merge(items, partials.data(), heads, dim, batch, out.data_ptr<T>(), nullptr);
+  merge(items, partials.data(), heads, dim, batch, out.data_ptr<T>(), nullptr, lse);
 }
 
-torch::Tensor kv_decode(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& table,
-                        const torch::Tensor& lens, double scale, int64_t part_tokens) {
+// lse (undefined, or float32 [B, H]): filled with each head's log-sum-exp of the scores.
+torch::Tensor kv_decode_into(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& table,
+                             const torch::Tensor& lens, double scale, int64_t part_tokens, torch::Tensor lse) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q: expected a contiguous [B, H, D] tensor");
   TORCH_CHECK(kv.dim() == 5 && kv.size(2) == 2 && kv.size(4) == q.size(2) && kv.stride(4) == 1 &&
                   kv.stride(3) == kv.size(4) && kv.stride(2) == kv.size(3) * kv.size(4),
@@ -65,13 +67,27 @@ torch::Tensor kv_decode(const torch::Tensor& q, const torch::Tensor& kv, const t
   check_table(table, lens, q.size(0));
   auto out = torch::empty_like(q);
   if (q.size(0) == 0) return out;
+  float* lse_ptr = lse.defined() ? lse.data_ptr<float>() : nullptr;
   if (q.scalar_type() == torch::kFloat) {
-    kv_decode_impl<float>(q, kv, table, lens, scale, part_tokens, out);
+    kv_decode_impl<float>(q, kv, table, lens, scale, part_tokens, out, lse_ptr);
   } else {
     TORCH_CHECK(q.scalar_type() == torch::kBFloat16, "dtype: float32 or bfloat16 only");
-    kv_decode_impl<bf16>(q, kv, table, lens, scale, part_tokens, out);
+    kv_decode_impl<bf16>(q, kv, table, lens, scale, part_tokens, out, lse_ptr);
   }
   return out;
+}
+
+torch::Tensor kv_decode(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& table,
+                        const torch::Tensor& lens, double scale, int64_t part_tokens) {
+  return kv_decode_into(q, kv, table, lens, scale, part_tokens, torch::Tensor());
+}
+
+std::tuple<torch::Tensor, torch::Tensor> kv_decode_lse(const torch::Tensor& q, const torch::Tensor& kv,
+                                                       const torch::Tensor& table, const torch::Tensor& lens,
+                                                       double scale, int64_t part_tokens) {
+  auto lse = torch::empty({q.size(0), q.size(1)}, q.options().dtype(torch::kFloat));
+  auto out = kv_decode_into(q, kv, table, lens, scale, part_tokens, lse);
+  return {out, lse};
 }
 
 // Hidden pages, projected per page (RoPE) ----------------------------------------------------------
@@ -249,6 +265,8 @@ torch::Tensor hidden_int8_projected(const torch::Tensor& q, const torch::Tensor&
 // Registered as torch ops (torch.ops.apt_serve.*): visible to the profiler, opaque to torch.compile.
 TORCH_LIBRARY(apt_serve, m) {
   m.def("kv_decode(Tensor q, Tensor kv, Tensor block_table, Tensor ctx_lens, float scale, int part_tokens) -> Tensor");
+  m.def("kv_decode_lse(Tensor q, Tensor kv, Tensor block_table, Tensor ctx_lens, float scale, int part_tokens) "
+        "-> (Tensor, Tensor)");
   m.def("hidden_projected(Tensor q, Tensor hidden, Tensor block_table, Tensor ctx_lens, Tensor w_kv_t, Tensor? b_kv, "
         "Tensor? cos, Tensor? sin, int num_kv_heads, float scale, int part_tokens) -> Tensor");
   m.def("hidden_int8_projected(Tensor q, Tensor hidden, Tensor hidden_scale, Tensor block_table, Tensor ctx_lens, "
@@ -258,6 +276,7 @@ TORCH_LIBRARY(apt_serve, m) {
 
 TORCH_LIBRARY_IMPL(apt_serve, CPU, m) {
   m.impl("kv_decode", &kv_decode);
+  m.impl("kv_decode_lse", &kv_decode_lse);
   m.impl("hidden_projected", &hidden_projected);
   m.impl("hidden_int8_projected", &hidden_int8_projected);
 }

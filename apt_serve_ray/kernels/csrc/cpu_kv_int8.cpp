@@ -102,7 +102,7 @@ PageFn page_fn_i8(int64_t dim) {
 template <typename T>
 void kv_int8_decode_impl(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& kv_scale,
                          const torch::Tensor& table, const torch::Tensor& lens, double scale, int64_t part_tokens,
-                         torch::Tensor& out) {
+                         torch::Tensor& out, float* lse = nullptr) {
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t tpp = kv.size(1), group = heads / kv.size(3);
   const int8_t* kv_base = kv.data_ptr<int8_t>();
@@ -138,12 +138,12 @@ void kv_int8_decode_impl(const torch::Tensor& q, const torch::Tensor& kv, const 
       st.write(partials.data() + i * heads * row, false);
     }
   });
-  merge(items, partials.data(), heads, dim, batch, out.data_ptr<T>(), nullptr);
+  merge(items, partials.data(), heads, dim, batch, out.data_ptr<T>(), nullptr, lse);
 }
 
-torch::Tensor kv_int8_decode(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& kv_scale,
-                             const torch::Tensor& table, const torch::Tensor& lens, double scale,
-                             int64_t part_tokens) {
+torch::Tensor kv_int8_decode_into(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& kv_scale,
+                                  const torch::Tensor& table, const torch::Tensor& lens, double scale,
+                                  int64_t part_tokens, torch::Tensor lse) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q: expected a contiguous [B, H, D] tensor");
   TORCH_CHECK(kv.scalar_type() == torch::kChar && kv.dim() == 5 && kv.size(2) == 2 && kv.size(4) == q.size(2) &&
                   kv.stride(4) == 1 && kv.stride(3) == kv.size(4),
@@ -155,13 +155,29 @@ torch::Tensor kv_int8_decode(const torch::Tensor& q, const torch::Tensor& kv, co
   check_table(table, lens, q.size(0));
   auto out = torch::empty_like(q);
   if (q.size(0) == 0) return out;
+  float* lse_ptr = lse.defined() ? lse.data_ptr<float>() : nullptr;
   if (q.scalar_type() == torch::kFloat) {
-    kv_int8_decode_impl<float>(q, kv, kv_scale, table, lens, scale, part_tokens, out);
+    kv_int8_decode_impl<float>(q, kv, kv_scale, table, lens, scale, part_tokens, out, lse_ptr);
   } else {
     TORCH_CHECK(q.scalar_type() == torch::kBFloat16, "q: float32 or bfloat16 only");
-    kv_int8_decode_impl<bf16>(q, kv, kv_scale, table, lens, scale, part_tokens, out);
+    kv_int8_decode_impl<bf16>(q, kv, kv_scale, table, lens, scale, part_tokens, out, lse_ptr);
   }
   return out;
+}
+
+torch::Tensor kv_int8_decode(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& kv_scale,
+                             const torch::Tensor& table, const torch::Tensor& lens, double scale,
+                             int64_t part_tokens) {
+  return kv_int8_decode_into(q, kv, kv_scale, table, lens, scale, part_tokens, torch::Tensor());
+}
+
+std::tuple<torch::Tensor, torch::Tensor> kv_int8_decode_lse(const torch::Tensor& q, const torch::Tensor& kv,
+                                                            const torch::Tensor& kv_scale, const torch::Tensor& table,
+                                                            const torch::Tensor& lens, double scale,
+                                                            int64_t part_tokens) {
+  auto lse = torch::empty({q.size(0), q.size(1)}, q.options().dtype(torch::kFloat));
+  auto out = kv_int8_decode_into(q, kv, kv_scale, table, lens, scale, part_tokens, lse);
+  return {out, lse};
 }
 
 }  // namespace
@@ -169,6 +185,11 @@ torch::Tensor kv_int8_decode(const torch::Tensor& q, const torch::Tensor& kv, co
 TORCH_LIBRARY_FRAGMENT(apt_serve, m) {
   m.def("kv_int8_decode(Tensor q, Tensor kv, Tensor kv_scale, Tensor block_table, Tensor ctx_lens, float scale, "
         "int part_tokens) -> Tensor");
+  m.def("kv_int8_decode_lse(Tensor q, Tensor kv, Tensor kv_scale, Tensor block_table, Tensor ctx_lens, "
+        "float scale, int part_tokens) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(apt_serve, CPU, m) { m.impl("kv_int8_decode", &kv_int8_decode); }
+TORCH_LIBRARY_IMPL(apt_serve, CPU, m) {
+  m.impl("kv_int8_decode", &kv_int8_decode);
+  m.impl("kv_int8_decode_lse", &kv_int8_decode_lse);
+}

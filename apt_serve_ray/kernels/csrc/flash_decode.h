@@ -129,10 +129,12 @@ struct Partial {
   }
 };
 
-// partials: [items, heads, 2 + dout] floats; items of one request are consecutive.
+// partials: [items, heads, 2 + dout] floats; items of one request are consecutive. lse (null, or
+// [batch, heads]): the log of each head's softmax denominator (max + log sum), in the scores' scale,
+// so that attention over two segments of a context, each by itself, merges into attention over both.
 template <typename Out>
 void merge(const std::vector<Item>& items, const float* partials, int64_t heads, int64_t dout, int64_t batch,
-           Out* out, const float* bias /* [heads, dout] or null */) {
+           Out* out, const float* bias /* [heads, dout] or null */, float* lse = nullptr) {
   std::vector<int64_t> first(batch + 1, 0);
   for (const auto& it : items) first[it.b + 1]++;
   for (int64_t b = 0; b < batch; ++b) first[b + 1] += first[b];
@@ -152,6 +154,7 @@ void merge(const std::vector<Item>& items, const float* partials, int64_t heads,
           axpy_scalar(acc.data(), w, p + 2, dout);
         }
         const float inv = 1.f / l;
+        if (lse) lse[b * heads + h] = mx + std::log(l);
         Out* o = out + (b * heads + h) * dout;
         const float* bh = bias ? bias + h * dout : nullptr;
         for (int64_t d = 0; d < dout; ++d) store(o + d, acc[d] * inv + (bh ? bh[d] : 0.f));
