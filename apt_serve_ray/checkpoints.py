@@ -28,6 +28,25 @@ SHAPES = {
     "qwen3-tiny-gqa": ("qwen3", 64, 2, 4, 2, 128, {"head_dim": 16}),
     "mistral-tiny": ("mistral", 64, 2, 4, 4, 128, {"sliding_window": 1024}),  # max_model_len capped there
     "phi3-tiny": ("phi3", 64, 2, 4, 4, 128, {"partial_rotary_factor": 0.5}),  # fused qkv / gate-up
+    # Gemma: (1 + w) norms, scaled embeddings; Gemma 2: extra norms, soft-capped scores and logits (caps
+    # small enough to matter at random weights), local layers with a window shorter than the tests'
+    # prompts; Gemma 3: q/k norms, rotary tables per kind of layer (linear scaling on the global one).
+    # Every Llama-family and Gemma architecture at OPT-125m's sizes (768 wide, 12 layers, 12 heads of
+    # 64, MHA), for decode-step times side by side (benchmarks/architectures.py).
+    **{f"{arch}-125m": (arch, 768, 12, 12, 12, 3072, extra) for arch, extra in (
+        ("llama", {}), ("qwen2", {}), ("qwen3", {"head_dim": 64}), ("mistral", {}),
+        ("phi3", {"partial_rotary_factor": 0.5}), ("gemma", {"head_dim": 64}),
+        ("gemma2", {"head_dim": 64, "sliding_window": 256, "query_pre_attn_scalar": 64,
+                    "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}),
+        ("gemma3_text", {"head_dim": 64, "sliding_window": 256, "query_pre_attn_scalar": 64}))},
+    "gemma-tiny": ("gemma", 64, 2, 4, 4, 128, {"head_dim": 16}),
+    "gemma2-tiny": ("gemma2", 64, 3, 4, 2, 128, {"head_dim": 16, "sliding_window": 48, "query_pre_attn_scalar": 24,
+                                                 "attn_logit_softcapping": 3.0, "final_logit_softcapping": 8.0}),
+    "gemma3-tiny": ("gemma3_text", 64, 3, 4, 4, 128, {
+        "head_dim": 16, "sliding_window": 48, "query_pre_attn_scalar": 16,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                            "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0}}}),
 }
 
 # Llama-family architectures: transformers' config and model classes, by ``model_type``.
@@ -37,6 +56,9 @@ _LLAMA_FAMILY = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
 }
 
 
@@ -69,7 +91,7 @@ def make_random_checkpoint(path: str | os.PathLike, shape: str = "opt-tiny", *, 
         cls = OPTForCausalLM
     else:
         config_name, model_name = _LLAMA_FAMILY[arch]
-        rope = {"rope_type": "default", "rope_theta": 10000.0}
+        rope = extra.pop("rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}
         if "partial_rotary_factor" in extra:
             rope["partial_rotary_factor"] = extra.pop("partial_rotary_factor")
         config = getattr(transformers, config_name)(
@@ -92,8 +114,8 @@ def make_random_checkpoint(path: str | os.PathLike, shape: str = "opt-tiny", *, 
             for name, p in model.named_parameters():
                 if name.endswith("bias"):
                     p.normal_(0.0, 0.05)
-                elif p.dim() == 1 and "norm" in name:
-                    p.normal_(1.0, 0.1)
+                elif p.dim() == 1 and "norm" in name:  # Gemma's norms scale by (1 + w): around 0
+                    p.normal_(0.0 if arch.startswith("gemma") else 1.0, 0.1)
     model = model.to(getattr(torch, dtype))
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)

@@ -47,7 +47,8 @@ def test_smollm2_matches_transformers(smollm2):
     _check_against_hf(smollm2, _hf(src.directory, src.gguf_file), num_tokens=16)
 
 
-NEW_ARCHITECTURES = ["qwen2-tiny", "qwen3-tiny", "qwen3-tiny-gqa", "mistral-tiny", "phi3-tiny"]
+NEW_ARCHITECTURES = ["qwen2-tiny", "qwen3-tiny", "qwen3-tiny-gqa", "mistral-tiny", "phi3-tiny",
+                     "gemma-tiny", "gemma2-tiny", "gemma3-tiny"]
 
 
 @pytest.mark.parametrize("shape", ["opt-tiny", "llama-tiny", "llama-tiny-gqa", *NEW_ARCHITECTURES])
@@ -87,6 +88,14 @@ def test_a_sliding_window_caps_the_context_where_attention_is_exact(checkpoint):
     assert LLM(path, dtype="float32", num_pages=256).llm_engine.max_model_len == 1024
     with pytest.raises(ValueError, match="max_model_len: 1500 exceeds the model's attention window 1024"):
         LLM(path, dtype="float32", num_pages=256, max_model_len=1500)
+
+
+def test_gemma_attends_within_its_window_at_any_length(checkpoint):
+    """Gemma 2 / 3's local layers (window 48 here) mask what lies behind the window instead of capping
+    the context; _check_against_hf's long prompt (> 300 tokens) and its decode steps run past it."""
+    engine = LLM(checkpoint("gemma3-tiny"), dtype="float32", num_pages=256).llm_engine
+    assert engine.max_model_len == 2048 and engine.runner.model.windows == [48, None, 48]
+    assert LLM(checkpoint("gemma2-tiny"), dtype="float32", num_pages=256).llm_engine.runner.model.attn_softcap == 3.0
 
 
 def test_an_unsupported_architecture_is_refused_naming_the_supported_ones():

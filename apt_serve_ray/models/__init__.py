@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from apt_serve_ray.models.base import DecoderModel, ModelShape
+from apt_serve_ray.models.gemma import GemmaModel
 from apt_serve_ray.models.llama import LlamaModel
 from apt_serve_ray.models.opt import OPTModel
 
 # transformers ``model_type`` -> our model code. The Llama family tells its members apart by their weights.
 MODEL_REGISTRY: dict[str, type[DecoderModel]] = {
     "llama": LlamaModel, "mistral": LlamaModel, "qwen2": LlamaModel, "qwen3": LlamaModel, "phi3": LlamaModel,
+    "gemma": GemmaModel, "gemma2": GemmaModel, "gemma3_text": GemmaModel,
     "opt": OPTModel,
 }
 

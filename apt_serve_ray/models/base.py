@@ -24,6 +24,9 @@ class ModelShape:
 class DecoderModel:
     shape: ModelShape
     kv_projections: list[KVProjection]  # per layer: what turns a stored x into K and V
+    # Whether its sliding-window layers attend within their window at any length (a mask); if not, the
+    # runner caps max_model_len at the window, where full attention is the same thing.
+    masks_sliding_window = False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """[T] token ids at [T] positions -> [T, hidden] final hidden states."""

@@ -14,8 +14,11 @@ class RotaryEmbedding:
     """cos/sin tables for the first ``rotary_dim`` dims of each head (all of them but where the config
     sets ``partial_rotary_factor``, as Phi-3's variants may); the other dims pass through unrotated."""
 
-    def __init__(self, config, head_dim: int, max_positions: int, device, dtype: torch.dtype) -> None:
+    def __init__(self, config, head_dim: int, max_positions: int, device, dtype: torch.dtype,
+                 layer_type: str | None = None) -> None:
         params = getattr(config, "rope_parameters", None) or {"rope_type": "default"}
+        if layer_type is not None:  # one set per kind of layer (Gemma 3: local and global attention)
+            params = params[layer_type]
         rope_type = params.get("rope_type", "default")
         factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
         self.head_dim = head_dim
@@ -29,7 +32,8 @@ class RotaryEmbedding:
         else:
             if rope_type not in ROPE_INIT_FUNCTIONS:
                 raise ValueError(f"rope_parameters.rope_type: unsupported rope type {rope_type!r}")
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device="cpu")
+            kwargs = {} if layer_type is None else {"layer_type": layer_type}
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device="cpu", **kwargs)
         positions = torch.arange(max_positions, dtype=torch.float)
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
