@@ -286,6 +286,9 @@ class LLMEngine:
             num_swap_ins=len(out.swap_in), num_decodes=decodes, num_prefill_tokens=out.num_batched_tokens - decodes,
             num_compressions=len(out.conversions) - upgrades, predicted_s=predicted)
         self.scheduler.observe_step(predicted, self.last_step.total_s)
+        sampler = getattr(self.runner, "sampler", None)
+        if sampler is not None and (sampler.mask_s_per_row or sampler.adjust_s_per_row):
+            self.scheduler.observe_sampling(sampler.mask_s_per_row, sampler.adjust_s_per_row)
         for observer in self._observers:
             observer.on_step(self, self.last_step, now)
         return outputs

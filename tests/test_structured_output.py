@@ -8,6 +8,7 @@ import json
 import re
 
 import jsonschema
+import numpy as np
 import pytest
 
 from apt_serve_ray import LLM, SamplingParams
@@ -59,6 +60,28 @@ def test_grammar_state_survives_preemption_and_recompute(opt_tiny):
     for out in outs:
         jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
     assert llm.llm_engine.runner.sampler.structured._matchers == {}  # every matcher forgotten
+
+
+def test_the_mask_and_penalties_are_measured_and_priced_into_apts_step_budget(opt_tiny):
+    from apt_serve_ray.scheduler.candidates import Candidates
+    from apt_serve_ray.scheduler.scheduler import SchedulingContext
+
+    llm = _llm(opt_tiny, "llguidance", policy="apt")
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=12, structured_output=StructuredOutput(json=SCHEMA))
+    llm.generate(["Describe a thing"], params)
+    llm.generate(["Another"], SamplingParams(temperature=0, max_tokens=6, presence_penalty=0.5))
+    sampler, policy = engine.runner.sampler, engine.scheduler.policy
+    assert sampler.mask_s_per_row > 0 and sampler.adjust_s_per_row > 0
+    assert policy.sampling_costs == (sampler.mask_s_per_row, sampler.adjust_s_per_row)
+    # Two decoding rows, one constrained: the step's budget pays one mask (as planned extra seconds).
+    engine.add_request("Describe", params)
+    engine.add_request("Other", SamplingParams(max_tokens=4))
+    engine.step()  # both prefilled: they decode from now on
+    policy.sampling_costs = (0.01, 0.0)
+    c = Candidates.gather(SchedulingContext(engine.scheduler, engine.clock()))
+    rows = np.flatnonzero(c.is_decoding[:c.num_running])
+    assert rows.size == 2 and policy._sampling_extra_s(c, rows) == pytest.approx(0.01)
 
 
 @pytest.mark.parametrize("backend", GRAMMAR_BACKENDS)

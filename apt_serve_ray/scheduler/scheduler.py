@@ -108,6 +108,12 @@ class Scheduler:
         predicted = predict_step(costs.step_time if costs is not None else None, out.chunks)
         return None if predicted is None else predicted + out.planned_extra_s
 
+    def observe_sampling(self, mask_s_per_row: float, adjust_s_per_row: float) -> None:
+        """Tell the policy what the sampler's extra work costs a row (``Sampler.mask_s_per_row``)."""
+        observe = getattr(self.policy, "observe_sampling", None)
+        if observe is not None:
+            observe(mask_s_per_row, adjust_s_per_row)
+
     def observe_step(self, predicted_s: float | None, measured_s: float) -> None:
         """Tell the policy what a step it predicted took (``SchedulingPolicy.observe_step``)."""
         observe = getattr(self.policy, "observe_step", None)

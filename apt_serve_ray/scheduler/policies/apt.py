@@ -139,6 +139,7 @@ class AdaptiveScheduler(KindChanger, IterationShaper, SchedulingPolicy):
         self._cache, self._free_swap_slots = None, 0  # read per decision: the cache and its tier's room
         self.predictor = None  # a TrafficPredictor (``enable_prediction``); the engine feeds it arrivals
         self.slowdown = 1.0  # measured / predicted step seconds lately (``observe_step``)
+        self.sampling_costs = (0.0, 0.0)  # seconds a structured-output row, a penalised row (``observe_sampling``)
 
     def enable_prediction(self, predictor) -> None:
         """Attach a ``TrafficPredictor`` (the seed's ``scheduler.enable_prediction(predictor)``): the

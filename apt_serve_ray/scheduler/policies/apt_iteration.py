@@ -112,7 +112,23 @@ class IterationShaper:
         hidden = c.is_hidden[rows]
         context = c.num_computed[rows] + 1
         decode_s = self.step_model.predict(int(rows.size), int(context.sum()), int(context[hidden].sum()))
-        return StepBudget(target, target / self.slowdown - decode_s - self._held_extra_s(c, rows))
+        sampling_s = self._sampling_extra_s(c, rows)
+        budget = StepBudget(target, target / self.slowdown - decode_s - self._held_extra_s(c, rows))
+        budget.spend(sampling_s, extra=True)
+        return budget
+
+    def observe_sampling(self, mask_s_per_row: float, adjust_s_per_row: float) -> None:
+        """What the sampler measured a structured-output row's mask (and matcher advance) and a row's
+        logit bias and penalties to cost (seconds a row): priced into every step that decodes them."""
+        self.sampling_costs = (mask_s_per_row, adjust_s_per_row)
+
+    def _sampling_extra_s(self, c: Candidates, rows) -> float:
+        mask_s, adjust_s = self.sampling_costs
+        if not (mask_s or adjust_s):
+            return 0.0
+        params = [c.requests[i].sampling_params for i in rows.tolist()]
+        return (mask_s * sum(p.structured_output is not None for p in params)
+                + adjust_s * sum(p.adjusts_logits for p in params))
 
     def observe_step(self, predicted_s: float, measured_s: float) -> None:
         """Track how much longer than predicted the steps that carry prefill run here and now
