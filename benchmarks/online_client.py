@@ -101,6 +101,8 @@ async def send_request(session: aiohttp.ClientSession, url: str, req: TraceReque
             "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
     if args.ignore_eos:
         body["ignore_eos"] = True
+    if args.extra_body:
+        body.update(args.extra_body)
     # What of the request's service level the server is told: its priority (vLLM's field; its FCFS
     # policy refuses a non-zero one) and its SLOs (our extension fields; vLLM ignores them).
     told = getattr(args, "request_fields", ("priority",))
@@ -213,6 +215,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--vocab-size", type=int, default=49152, help="range of random prompt token ids")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--extra-body", type=json.loads, default=None, metavar="JSON",
+                   help="fields added to every request body, e.g. '{\"presence_penalty\": 0.5}'")
     p.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS",
                    help="SLOs ttft, tpot, e2el, and itl/tbt (P99 of a request's token gaps); "
                         "a trace request's own SLOs take precedence")

@@ -188,20 +188,27 @@ def spec_of(args) -> ConversationSpec:
                             num_documents=args.documents, max_model_len=args.max_model_len)
 
 
-def run_serve(args) -> dict:
+def run_serve(args, save=None) -> dict:
+    """Every server in turn; ``save(data)`` after each run, so that what was measured survives a
+    server that fails to start later."""
     import mixed_traffic as mt
 
     from apt_serve_ray.checkpoints import make_random_checkpoint
 
     ckpt = make_random_checkpoint(args.cache_dir / "opt-125m-bf16", "opt-125m", dtype="bfloat16")
     spec = spec_of(args)
-    results = {}
+    results, failed = {}, {}
     for name in args.servers:
         port = 8000 if name.startswith("ours") else args.vllm_port
         cmd, env, told = server(name, args, ckpt, port)
         log = Path(args.log_dir) / f"prefix_{name}.log"
         print(f"== {name}: starting ({' '.join(cmd[:3])} ...; log {log})", flush=True)
-        proc = mt.start_server(cmd, env, port, log)
+        try:
+            proc = mt.start_server(cmd, env, port, log)
+        except (RuntimeError, OSError, SystemExit) as exc:
+            print(f"== {name}: did not start ({exc}); the other servers go on", flush=True)
+            failed[name] = str(exc)
+            continue
         results[name] = []
         url = f"http://127.0.0.1:{port}/v1/completions"
         try:
@@ -215,11 +222,13 @@ def run_serve(args) -> dict:
                     a.update(rate=rate, seed=seed, ideal_hit_rate=shared_token_share(sessions))
                     results[name].append(a)
                     print(row(name, a), flush=True)
+                    if save is not None:
+                        save({"results": results, "failed": failed})
                     if len(args.rates) > 1 or len(args.seeds) > 1:
                         time.sleep(args.idle_s)  # idle between rates: every conversation of the last has ended
         finally:
             mt.stop_server(proc)
-    return {"results": results}
+    return {"results": results, "failed": failed}
 
 
 # Simulated (a lab study: the real scheduler, pool and prefix cache on a cost model's clock) ----------
@@ -377,14 +386,19 @@ def main(argv=None) -> None:
         return
     import mixed_traffic as mt
 
-    data = run_sim(args) if args.mode == "sim" else run_serve(args)
-    data.update(machine={"cpu": cpu_name(), "native_bf16": has_native_bf16(), "python": platform.python_version()},
+    meta = dict(machine={"cpu": cpu_name(), "native_bf16": has_native_bf16(), "python": platform.python_version()},
                 git=mt.git_state(), command=" ".join(sys.argv),
                 args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()})
+
+    def save(data: dict) -> None:
+        if args.json is not None:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({**data, **meta}, indent=1))
+
+    data = run_sim(args) if args.mode == "sim" else run_serve(args, save)
     print("effective throughput (sessions/s at 90% / 60%):", json.dumps(effective(data["results"])))
+    save(data)
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(data, indent=1))
         print(f"wrote {args.json}")
 
 
