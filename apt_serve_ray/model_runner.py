@@ -26,7 +26,6 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEFAULT_CPU_CACHE_BYTES = 512 * 1024 * 1024
-_KINDS = (CacheKind.KV, CacheKind.HIDDEN, CacheKind.KV_INT8, CacheKind.HIDDEN_INT8)  # metadata's field order
 
 
 def resolve_device(name: str) -> torch.device:
@@ -194,10 +193,8 @@ class ModelRunner:
             own = self._decode_group([(e[0], e[3], e[4]) for e in entries], kind)
             meta.decode_segmented.append(SegmentedDecode(prefix.rows, prefix_kind, kind, prefix, own,
                                                          self._to(torch.tensor([e[1] for e in entries]))))
-        meta.kv_write, meta.hidden_write, meta.kv_int8_write, meta.hidden_int8_write = (
-            self._slot_write(*writes[kind], kind) for kind in _KINDS)
-        meta.decode_kv, meta.decode_hidden, meta.decode_kv_int8, meta.decode_hidden_int8 = (
-            self._decode_group(decodes[kind], kind) for kind in _KINDS)
+        meta.writes = {kind: self._slot_write(*w, kind) for kind, w in writes.items() if w[0]}
+        meta.decodes = {kind: self._decode_group(d, kind) for kind, d in decodes.items() if d}
         return self._to(torch.tensor(ids)), self._to(torch.tensor(positions)), meta, sample_rows, sample_requests
 
     def _segmented_chunk(self, r: Request, row: int, n: int, start: int, end: int) -> PrefillChunk:

@@ -68,17 +68,18 @@ def test_int8_writes_store_the_quantisation_reference_and_decode_reads_it(dtype,
         pages, offs = torch.tensor([s[0] for s in slots]), torch.tensor([s[1] for s in slots])
         return SlotWrite(r, pages, offs, pages * layout.tokens_per_page(kind) + offs)
 
-    meta = AttentionMetadata(storage, n, attention, kv_int8_write=slot_write(kv_rows, kv_slots, CacheKind.KV_INT8),
-                             hidden_int8_write=slot_write(hid_rows, hid_slots, CacheKind.HIDDEN_INT8))
+    meta = AttentionMetadata(storage, n, attention, writes={
+        CacheKind.KV_INT8: slot_write(kv_rows, kv_slots, CacheKind.KV_INT8),
+        CacheKind.HIDDEN_INT8: slot_write(hid_rows, hid_slots, CacheKind.HIDDEN_INT8)})
     attention.write(0, k, v, x, meta)
 
     kv_in = torch.stack((k[kv_rows], v[kv_rows]), dim=1)  # [n, 2, H, D]
     q_ref, s_ref = quantize(kv_in.flatten(1), dim)
-    pages, offs = meta.kv_int8_write.pages, meta.kv_int8_write.offsets
+    pages, offs = meta.writes[CacheKind.KV_INT8].pages, meta.writes[CacheKind.KV_INT8].offsets
     assert torch.equal(storage.kv_int8[0][pages, offs].flatten(1), q_ref)
     assert torch.equal(storage.kv_int8_scale[0][pages, offs].flatten(1), s_ref)
     xq_ref, xs_ref = quantize(x[hid_rows], layout.quant_group)
-    hp, ho = meta.hidden_int8_write.pages, meta.hidden_int8_write.offsets
+    hp, ho = meta.writes[CacheKind.HIDDEN_INT8].pages, meta.writes[CacheKind.HIDDEN_INT8].offsets
     assert torch.equal(storage.hidden_int8[0][hp, ho], xq_ref)
     assert torch.equal(storage.hidden_int8_scale[0][hp, ho], xs_ref)
     for stored, scales, original, group in ((q_ref, s_ref, kv_in.flatten(1), dim),

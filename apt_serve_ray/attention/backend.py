@@ -63,24 +63,25 @@ class AttentionBackend:
         self.write(layer, k, v, x, meta)
         storage = meta.storage
         out = torch.empty_like(q)
-        if meta.decode_kv is not None:
-            g = meta.decode_kv
-            out[g.rows] = self.decode_kv(layer, q[g.rows].contiguous(), g, storage, scale)
-        if meta.decode_hidden is not None:
-            g = meta.decode_hidden
-            out[g.rows] = self.decode_hidden(layer, q[g.rows].contiguous(), g, storage, proj, scale)
-        if meta.decode_kv_int8 is not None:
-            g = meta.decode_kv_int8
-            out[g.rows] = self.decode_kv_int8(layer, q[g.rows].contiguous(), g, storage, scale)
-        if meta.decode_hidden_int8 is not None:
-            g = meta.decode_hidden_int8
-            out[g.rows] = self.decode_hidden_int8(layer, q[g.rows].contiguous(), g, storage, proj, scale)
+        for kind, g in meta.decodes.items():
+            out[g.rows] = self.decode(layer, kind, q[g.rows].contiguous(), g, storage, proj, scale)
         for seg in meta.decode_segmented:
             out[seg.rows] = self.decode_segmented(layer, q[seg.rows].contiguous(), seg, storage, scale)
         for c in meta.prefills:
             s, e = c.row_start, c.row_start + c.num_tokens
             out[s:e] = self.prefill(layer, q[s:e], k[s:e], v[s:e], c, storage, proj, scale)
         return out
+
+    def decode(self, layer: int, kind: CacheKind, q, g: DecodeGroup, storage: CacheStorage, proj: KVProjection,
+               scale: float) -> torch.Tensor:
+        """Decode rows of one kind: its own path (the kinds that store x also need the projection)."""
+        if kind is CacheKind.KV:
+            return self.decode_kv(layer, q, g, storage, scale)
+        if kind is CacheKind.KV_INT8:
+            return self.decode_kv_int8(layer, q, g, storage, scale)
+        if kind is CacheKind.HIDDEN:
+            return self.decode_hidden(layer, q, g, storage, proj, scale)
+        return self.decode_hidden_int8(layer, q, g, storage, proj, scale)
 
     def decode_segmented(self, layer: int, q, seg: SegmentedDecode, storage: CacheStorage, scale: float):
         """Each segment by itself (``decode_lse``), merged by the log-sum-exps: attention over both."""
@@ -110,11 +111,7 @@ class AttentionBackend:
         self.write(layer, k, v, x, meta)
         storage = meta.storage
         out = torch.empty_like(q)
-        groups = ((CacheKind.KV, meta.decode_kv), (CacheKind.HIDDEN, meta.decode_hidden),
-                  (CacheKind.KV_INT8, meta.decode_kv_int8), (CacheKind.HIDDEN_INT8, meta.decode_hidden_int8))
-        for kind, g in groups:
-            if g is None:
-                continue
+        for kind, g in meta.decodes.items():
             valid = _gather_index(g, "valid", storage)  # [B, L]
             keys, values = read_kv(layer, storage, kind, _gather_index(g, "pages", storage),
                                    _gather_index(g, "offsets", storage), proj, _gather_index(g, "positions", storage),
@@ -154,22 +151,18 @@ class AttentionBackend:
     @staticmethod
     def write(layer: int, k, v, x, meta: AttentionMetadata) -> None:
         storage = meta.storage
-        if meta.kv_write is not None:
-            w = meta.kv_write
-            kv_new = torch.stack((k[w.rows], v[w.rows]), dim=1).flatten(1)
-            storage.kv_token_rows[layer].index_copy_(0, w.slots, kv_new)
-        if meta.hidden_write is not None:
-            w = meta.hidden_write
-            if storage.hidden_rows is not None:
-                storage.hidden_rows[layer].index_copy_(0, w.slots, x[w.rows])
-            else:
-                storage.hidden[layer][w.pages, w.offsets] = x[w.rows]
-        if meta.kv_int8_write is not None:
-            w = meta.kv_int8_write
-            storage.write_int8(layer, CacheKind.KV_INT8, w.pages, w.offsets, torch.stack((k[w.rows], v[w.rows]), dim=1))
-        if meta.hidden_int8_write is not None:
-            w = meta.hidden_int8_write
-            storage.write_int8(layer, CacheKind.HIDDEN_INT8, w.pages, w.offsets, x[w.rows])
+        for kind, w in meta.writes.items():
+            if kind is CacheKind.KV:
+                kv_new = torch.stack((k[w.rows], v[w.rows]), dim=1).flatten(1)
+                storage.kv_token_rows[layer].index_copy_(0, w.slots, kv_new)
+            elif kind is CacheKind.HIDDEN:
+                if storage.hidden_rows is not None:
+                    storage.hidden_rows[layer].index_copy_(0, w.slots, x[w.rows])
+                else:
+                    storage.hidden[layer][w.pages, w.offsets] = x[w.rows]
+            else:  # int8: the same content, quantised on write
+                data = x[w.rows] if kind.stores_hidden else torch.stack((k[w.rows], v[w.rows]), dim=1)
+                storage.write_int8(layer, kind, w.pages, w.offsets, data)
 
     # 2. decode ------------------------------------------------------------------------------------
     def decode_kv(self, layer: int, q, g: DecodeGroup, storage: CacheStorage, scale: float) -> torch.Tensor:

@@ -136,20 +136,15 @@ class SegmentedDecode:
 
 @dataclass
 class AttentionMetadata:
-    """One step's writes and decode groups, one of each per cache kind (None: no row of that kind),
-    and its prefill chunks (each carries its own kind). A decode group's ``tokens_per_page`` is its
-    kind's; int8 writes store q and its scales (``cache/quant.py``) in the kind's storage views."""
+    """One step's writes and decode groups, keyed by cache kind (a kind with no row this step has
+    none), its decode rows over two segments, and its prefill chunks (each carries its own kind). A
+    decode group's ``tokens_per_page`` is its kind's; int8 writes store q and its scales
+    (``cache/quant.py``) in the kind's storage views."""
 
     storage: CacheStorage
     num_tokens: int
     backend: "AttentionBackend"
-    kv_write: SlotWrite | None = None
-    hidden_write: SlotWrite | None = None
-    kv_int8_write: SlotWrite | None = None
-    hidden_int8_write: SlotWrite | None = None
-    decode_kv: DecodeGroup | None = None
-    decode_hidden: DecodeGroup | None = None
-    decode_kv_int8: DecodeGroup | None = None
-    decode_hidden_int8: DecodeGroup | None = None
+    writes: dict[CacheKind, SlotWrite] = field(default_factory=dict)
+    decodes: dict[CacheKind, DecodeGroup] = field(default_factory=dict)
     prefills: list[PrefillChunk] = field(default_factory=list)
     decode_segmented: list[SegmentedDecode] = field(default_factory=list)  # per (prefix kind, kind)
