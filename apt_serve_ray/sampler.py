@@ -37,9 +37,11 @@ class Sampler:
         # engine hands them to the policy, which prices them into its step budget.
         self.mask_s_per_row = 0.0
         self.adjust_s_per_row = 0.0
+        self._token_counts: dict[str, TokenCounts] = {}  # per penalised request, kept as it generates
 
     def forget(self, request_id: str) -> None:
         self._request_generators.pop(request_id, None)
+        self._token_counts.pop(request_id, None)
         if self.structured is not None:
             self.structured.forget(request_id)
 
@@ -59,8 +61,7 @@ class Sampler:
         if adjusted:
             t0 = time.perf_counter()
             logits = raw.clone()
-            for i in adjusted:
-                apply_penalties(logits[i], requests[i])
+            apply_penalties_batch(logits, adjusted, requests, self._token_counts)
             self.adjust_s_per_row = _ewma(self.adjust_s_per_row, (time.perf_counter() - t0) / len(adjusted))
         constrained: list[int] = []
         mask_s = 0.0
@@ -108,10 +109,79 @@ def _ewma(average: float, sample: float, rate: float = 0.1) -> float:
     return sample if average == 0.0 else average + rate * (sample - average)
 
 
+class TokenCounts:
+    """One request's distinct tokens for its penalties, kept up to date as it generates: each output id
+    and how often it occurs (presence, frequency), and every id of its prompt or output (repetition),
+    as index tensors. The penalties touch only those ids: passes over the whole vocabulary cost
+    ~0.2-0.4 ms a row of 49,152 tokens, and rebuilding the lists every step as much again. Ids past the
+    vocabulary are ignored."""
+
+    def __init__(self, request: Request, vocab: int) -> None:
+        self.vocab = vocab
+        self._output: dict[int, int] = {}
+        self._seen = {t for t in request.prompt_token_ids if t < vocab}
+        self.num_output = 0
+        self.output_ids = self.output_counts = self.seen_ids = None
+
+    def update(self, request: Request) -> "TokenCounts":
+        new = request.output_token_ids[self.num_output:]
+        if new or self.seen_ids is None:
+            for t in new:
+                if t < self.vocab:
+                    self._output[t] = self._output.get(t, 0) + 1
+                    self._seen.add(t)
+            self.num_output = len(request.output_token_ids)
+            self.output_ids = torch.tensor(list(self._output), dtype=torch.long)
+            self.output_counts = torch.tensor(list(self._output.values()), dtype=torch.float32)
+            self.seen_ids = torch.tensor(sorted(self._seen), dtype=torch.long)
+        return self
+
+
+def apply_penalties_batch(logits: torch.Tensor, rows: list[int], requests: list[Request],
+                          counts: dict[str, TokenCounts] | None = None) -> None:
+    """``apply_penalties`` for the ``rows`` of ``logits`` [N, V] at once, in place, touching only the
+    ids each request has seen (``TokenCounts``, kept in ``counts`` by request id across steps; None:
+    counted now): the biases, then presence and frequency over the output, then repetition over prompt
+    and output, each one indexed pass over all the rows."""
+    vocab = logits.shape[1]
+    flat = logits.view(-1)
+    bias_at, bias_by, pf_at, pf_by, rep_at, rep_by = [], [], [], [], [], []
+    counts = {} if counts is None else counts
+    for i in rows:
+        r = requests[i]
+        sp = r.sampling_params
+        base = i * vocab
+        if sp.logit_bias:
+            ids = [t for t in sp.logit_bias if t < vocab]
+            bias_at += [base + t for t in ids]
+            bias_by += [sp.logit_bias[t] for t in ids]
+        pf = (sp.presence_penalty or sp.frequency_penalty) and r.output_token_ids
+        if pf or sp.repetition_penalty != 1.0:
+            c = counts.get(r.request_id)
+            if c is None or c.vocab != vocab:
+                c = counts[r.request_id] = TokenCounts(r, vocab)
+            c.update(r)
+            if pf:
+                pf_at.append(c.output_ids + base)
+                pf_by.append(sp.frequency_penalty * c.output_counts + sp.presence_penalty)
+            if sp.repetition_penalty != 1.0:
+                rep_at.append(c.seen_ids + base)
+                rep_by.append(torch.full((c.seen_ids.numel(),), float(sp.repetition_penalty)))
+    if bias_at:
+        flat.index_add_(0, torch.tensor(bias_at, dtype=torch.long), torch.tensor(bias_by, dtype=flat.dtype))
+    if pf_at:
+        flat.index_add_(0, torch.cat(pf_at), -torch.cat(pf_by).to(flat.dtype))
+    if rep_at:
+        at, by = torch.cat(rep_at), torch.cat(rep_by).to(flat.dtype)
+        v = flat[at]
+        flat[at] = torch.where(v > 0, v / by, v * by)
+
+
 def apply_penalties(row: torch.Tensor, request: Request) -> None:
     """One request's logits [V], in place: its logit bias, then the presence, frequency and repetition
     penalties over what it has generated (repetition: and its prompt). Token ids past the vocabulary
-    (a bias for the tokenizer's added tokens the model lacks) are ignored."""
+    (a bias for the tokenizer's added tokens the model lacks) are ignored. The reference of
+    ``apply_penalties_batch``, which the sampler runs."""
     sp, vocab = request.sampling_params, row.shape[0]
     if sp.logit_bias:
         ids = [t for t in sp.logit_bias if t < vocab]

@@ -72,6 +72,42 @@ def test_penalties_and_bias_follow_their_definitions():
     torch.testing.assert_close(row, expected)
 
 
+def test_the_batched_penalties_are_the_row_by_row_reference():
+    from apt_serve_ray.sampler import apply_penalties, apply_penalties_batch
+
+    g = torch.Generator().manual_seed(0)
+    vocab = 50
+    settings = [dict(presence_penalty=0.5, frequency_penalty=0.25), dict(repetition_penalty=1.5),
+                dict(logit_bias={3: 2.0, 60: 1.0}), dict(presence_penalty=-1.0, repetition_penalty=0.8,
+                                                         logit_bias={7: -5.0}), {}]
+    requests = [_request(torch.randint(0, vocab, (9,), generator=g).tolist(),
+                         torch.randint(0, vocab, (7,), generator=g).tolist() if i != 2 else [], **kw)
+                for i, kw in enumerate(settings)]
+    for i, r in enumerate(requests):
+        r.request_id = f"r{i}"  # the sampler keeps each request's counts by its id
+    requests[1].all_token_ids.append(70)  # past the vocabulary (a tokenizer's added token): ignored
+    requests[1].output_token_ids.append(70)
+    logits = torch.randn(len(requests), vocab, generator=g)
+    batched = logits.clone()
+    rows = [i for i, r in enumerate(requests) if r.sampling_params.adjusts_logits]
+    apply_penalties_batch(batched, rows, requests)
+    for i, r in enumerate(requests):
+        row = logits[i].clone()
+        if i in rows:
+            apply_penalties(row, r)
+        torch.testing.assert_close(batched[i], row)
+    # Kept across steps: a request generates one more token, and only that is counted anew.
+    counts = {}
+    apply_penalties_batch(logits.clone(), rows, requests, counts)
+    requests[0].output_token_ids.append(5)
+    requests[0].all_token_ids.append(5)
+    again = logits.clone()
+    apply_penalties_batch(again, rows, requests, counts)
+    row = logits[0].clone()
+    apply_penalties(row, requests[0])
+    torch.testing.assert_close(again[0], row)
+
+
 def test_greedy_sees_the_adjusted_logits_and_logprobs_the_models():
     from apt_serve_ray.sampler import Sampler
 
