@@ -112,6 +112,15 @@ class AttentionBackend:
         storage = meta.storage
         out = torch.empty_like(q)
         for kind, g in meta.decodes.items():
+            if kind is CacheKind.KV:  # the reference KV decode's gather, with the window in its mask
+                add_mask = _gather_index(g, "add_mask", storage)
+                if window is not None:
+                    pos, last = _gather_index(g, "positions", storage), g.ctx_lens.long() - 1
+                    outside = pos[None, :] <= (last - window)[:, None]  # [B, L]
+                    add_mask = add_mask.masked_fill(outside[:, None, None, :], float("-inf"))
+                keys, values = self._gather_kv(layer, g, storage)
+                out[g.rows] = _decode_attend(q[g.rows].contiguous(), keys, values, add_mask, scale, softcap)
+                continue
             valid = _gather_index(g, "valid", storage)  # [B, L]
             keys, values = read_kv(layer, storage, kind, _gather_index(g, "pages", storage),
                                    _gather_index(g, "offsets", storage), proj, _gather_index(g, "positions", storage),
@@ -166,14 +175,20 @@ class AttentionBackend:
 
     # 2. decode ------------------------------------------------------------------------------------
     def decode_kv(self, layer: int, q, g: DecodeGroup, storage: CacheStorage, scale: float) -> torch.Tensor:
+        keys, values = self._gather_kv(layer, g, storage)
+        return _decode_attend(q, keys, values, _gather_index(g, "add_mask", storage), scale)
+
+    @staticmethod
+    def _gather_kv(layer: int, g: DecodeGroup, storage: CacheStorage) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [B, KVH, L, D] of a KV decode group: one gather of head_dim rows straight into a
+        contiguous workspace, padding zeroed."""
         batch, length, (kvh, dim) = len(g), g.max_len, storage.kv[layer].shape[-2:]
         kv_index = _gather_index(g, "kv_index", storage)
-        # One gather of head_dim rows straight into contiguous [2, B, KVH, L, D].
         kv = torch.index_select(storage.kv_head_rows[layer], 0, kv_index,
                                 out=storage.workspace("decode_kv", (kv_index.numel(), dim), storage.dtype))
         kv = kv.view(2, batch, kvh, length, dim)
         kv.masked_fill_(_gather_index(g, "padding", storage)[None, ..., None], 0)
-        return _decode_attend(q, kv[0], kv[1], _gather_index(g, "add_mask", storage), scale)
+        return kv[0], kv[1]
 
     def decode_hidden(self, layer: int, q, g: DecodeGroup, storage: CacheStorage, proj: KVProjection,
                       scale: float) -> torch.Tensor:
@@ -275,14 +290,18 @@ def read_kv(layer: int, storage: CacheStorage, kind: CacheKind, pages, offsets, 
     return kv[..., 0, :, :], kv[..., 1, :, :]
 
 
-def _decode_attend(q, keys, values, add_mask, scale: float) -> torch.Tensor:
+def _decode_attend(q, keys, values, add_mask, scale: float, softcap: float | None = None) -> torch.Tensor:
     """One query token per request over contiguous K/V [B, KVH, L, D]; query heads grouped per KV
     head, so grouped-query attention needs no repeated K/V. Plain batched matmuls: on CPU they beat
-    the fused SDPA kernel several times for single-token queries."""
+    the fused SDPA kernel several times for single-token queries. ``softcap``: scores capped by
+    ``softcap * tanh(score / softcap)`` before the mask (Gemma 2)."""
     batch, heads, dim = q.shape
     kvh = keys.shape[1]
     qg = q.view(batch, kvh, heads // kvh, dim)
-    scores = torch.matmul(qg, keys.transpose(-1, -2)).float().mul_(scale).add_(add_mask)  # [B, KVH, G, L]
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).float().mul_(scale)  # [B, KVH, G, L]
+    if softcap is not None:
+        scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
+    scores.add_(add_mask)
     return torch.matmul(scores.softmax(-1).to(values.dtype), values).view(batch, heads, dim)
 
 
