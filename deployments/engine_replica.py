@@ -18,6 +18,7 @@ timeline (``CacheTracker``; ``memory_timeline()`` draws it).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -28,6 +29,7 @@ import time
 
 import ray
 from ray import serve
+from ray.serve import context as serve_context
 
 from apt_serve_ray import AsyncLLMEngine, EngineConfig, cpu_affinity
 from apt_serve_ray.engine_process import EngineObservers
@@ -35,7 +37,7 @@ from apt_serve_ray.observability.tracing import finished_spans
 from apt_serve_ray.observability.tracker import plot_memory_timeline
 from deployments.metrics import make_backend, snapshot
 from deployments.streaming import coalesced, stream_interval
-from deployments.wire import EngineRequest, InvalidRequest, Knobs, LoadReport, StreamItem
+from deployments.wire import RECEIVED_WINDOW_S, EngineRequest, InvalidRequest, Knobs, LoadReport, StreamItem
 
 logger = logging.getLogger("ray.serve")
 
@@ -121,6 +123,8 @@ class EngineReplica:
         # Requests received but not yet prefilled hold no pages yet; the router must still count
         # them, so the load reports their prompt pages (one entry per call in progress).
         self._pending_pages: dict[object, int] = {}
+        # (when, Serve's internal request id) of the generate calls received lately, for LoadReport.received.
+        self._received: collections.deque[tuple[float, str]] = collections.deque()
         self._tokens_per_page = self.engine.load()["tokens_per_page"]["kv"]
         self._applied_ratio: float | None = None
         self._is_pressured = False  # the controller's last word, passed on to the request router
@@ -140,6 +144,7 @@ class EngineReplica:
         stream = self.engine.generate(request.prompt, request.sampling, request.request_id,
                                       **request.scheduling_kwargs())
         self.num_requests += 1
+        self._note_received()
         finished = False
         key = object()  # not the request id: it may be None (then the engine makes one)
         self._pending_pages[key] = -(-(request.num_prompt_tokens or 0) // self._tokens_per_page) + 1
@@ -168,6 +173,19 @@ class EngineReplica:
             finally:
                 if not finished:
                     self.num_aborted += 1
+
+    def _note_received(self) -> None:
+        var = getattr(serve_context, "_serve_request_context", None)  # Serve's own (private) context
+        context = var.get() if var is not None else None
+        internal_id = getattr(context, "_internal_request_id", "") if context is not None else ""
+        if internal_id:
+            self._received.append((time.time(), internal_id))
+            self._forget_received()
+
+    def _forget_received(self) -> None:
+        horizon = time.time() - RECEIVED_WINDOW_S
+        while self._received and self._received[0][0] < horizon:
+            self._received.popleft()
 
     def _interval_s(self, request: EngineRequest) -> float:
         """How long a stream item of this request waits for more tokens: ``stream_interval_s``, or
@@ -224,7 +242,12 @@ class EngineReplica:
             step_time_ms=engine["step_time_ms"], seed=self.engine.config.seed,
             num_requests=self.num_requests, num_aborted=self.num_aborted,
             pages_by_kind=dict(engine["pages"]), compressed_kinds=tuple(engine.get("compressed_kinds", ())),
-            is_pressured=self._is_pressured, max_running_priority=engine.get("max_running_priority"))
+            is_pressured=self._is_pressured, max_running_priority=engine.get("max_running_priority"),
+            received=self._received_ids())
+
+    def _received_ids(self) -> tuple[str, ...]:
+        self._forget_received()
+        return tuple(internal_id for _, internal_id in self._received)
 
     def record_routing_stats(self) -> dict:
         """Serve requires a dict here; ``FitAwareRequestRouter`` reads it back as a ``LoadReport``."""

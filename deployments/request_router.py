@@ -8,12 +8,15 @@ router has sent there since that snapshot was taken (Serve refreshes stats only 
 ``request_routing_stats_period_s``)::
 
     est_free = stats.num_free_pages - stats.num_pending_pages
-               - sum(pages of requests routed here after stats.time - IN_TRANSIT_S)
+               - sum(pages of requests routed here that the snapshot does not count yet)
 
 A request enters that ledger when it is ranked (requests routed at the same moment must see each
 other, or they all pick the same replica) and moves if Serve sends it elsewhere. Entries leave when a
-newer snapshot covers them, not when Serve reports the call done: a finished request is counted for
-at most one stats period (a cautious error), and completion callbacks can fire early for streams.
+snapshot covers them, not when Serve reports the call done: a finished request is counted for at most
+one stats period (a cautious error), and completion callbacks can fire early for streams. A snapshot
+covers a request when it lists it among those the replica received (``LoadReport.received``); the
+time it was taken is not enough: on a busy host a call can be on its way for longer than any fixed
+margin, and a snapshot taken meanwhile counts it nowhere (CI saw two requests sent to a full replica).
 
 Replicas where the request fits come first, least loaded after placement first, where load is the
 larger of page usage and the share of ``max_num_seqs`` taken; among them, the ones the controller
@@ -43,7 +46,7 @@ from typing import List, Optional
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from deployments.prefix_affinity import process_index
-from deployments.wire import EngineRequest, LoadReport
+from deployments.wire import RECEIVED_WINDOW_S, EngineRequest, LoadReport
 
 IN_TRANSIT_S = 0.05  # a request routed this long before a snapshot may not have reached the replica yet
 OUTPUT_HORIZON_TOKENS = 256  # default: output tokens a request is assumed to reach (max_tokens caps it)
@@ -113,7 +116,7 @@ class FitAwareRequestRouter(RequestRouter):
         if stats is None:  # no snapshot yet (a new replica): neither preferred nor avoided
             return (0, 0.5, queue_len or 0, random.random())
         need = max(0, request_pages(request, stats.tokens_per_kv_page, self.horizon) - cached_pages)
-        since = self._routed_since(replica.replica_id, stats.time - IN_TRANSIT_S)
+        since = self._routed_since(replica.replica_id, stats)
         free = stats.num_free_pages - stats.num_pending_pages - sum(since)
         if need > free:
             return (2, -free, queue_len or 0, random.random())
@@ -121,9 +124,17 @@ class FitAwareRequestRouter(RequestRouter):
         load_after = max(1 - (free - need) / stats.num_pages, (num_seqs + 1) / stats.max_num_seqs)
         return (1 if stats.is_pressured else 0, round(load_after, 3), queue_len or 0, random.random())
 
-    def _routed_since(self, replica_id: ReplicaID, covered: float) -> list[int]:
-        """Pages of the requests sent to a replica after its snapshot; forgets the ones it covers."""
-        entries = {rid: (t, pages) for rid, (t, pages) in self.routed.get(replica_id, {}).items() if t > covered}
+    def _routed_since(self, replica_id: ReplicaID, stats: LoadReport) -> list[int]:
+        """Pages of the requests sent to a replica that its snapshot does not count; forgets the others.
+        A snapshot that lists what the replica received covers those (and, after ``RECEIVED_WINDOW_S``,
+        any that never arrived); one that does not, everything routed ``IN_TRANSIT_S`` before it."""
+        if stats.received is None:
+            covered = lambda rid, t: t <= stats.time - IN_TRANSIT_S  # noqa: E731
+        else:
+            received = set(stats.received)
+            covered = lambda rid, t: rid in received or t <= stats.time - RECEIVED_WINDOW_S  # noqa: E731
+        entries = {rid: (t, pages) for rid, (t, pages) in self.routed.get(replica_id, {}).items()
+                   if not covered(rid, t)}
         self.routed[replica_id] = entries
         return [pages for _, pages in entries.values()]
 

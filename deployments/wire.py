@@ -22,6 +22,9 @@ from apt_serve_ray.predictor import Forecast
 from apt_serve_ray.sampling_params import SamplingParams
 
 
+RECEIVED_WINDOW_S = 5.0  # how long a replica lists a request it received (LoadReport.received)
+
+
 @dataclass(frozen=True)
 class EngineRequest:
     """One request for ``EngineReplica.generate``, validated (``SamplingParams``) and usually tokenised.
@@ -154,6 +157,11 @@ class LoadReport:
     # The least important running request's priority value (None: none running): a more important
     # arrival may displace it, so the routers do not hold such arrivals over the heavy watermark.
     max_running_priority: int | None = None
+    # Serve's internal ids of the ``generate`` calls this replica received in the last
+    # ``RECEIVED_WINDOW_S`` (None: not reported): the request router keeps a request it routed here in
+    # its ledger until a snapshot lists it, so one taken while the request was still on its way
+    # (a busy host: tens of milliseconds and more) does not make its pages vanish from both.
+    received: tuple[str, ...] | None = None
 
     @property
     def num_used_pages(self) -> int:
@@ -164,7 +172,9 @@ class LoadReport:
 
     @classmethod
     def from_dict(cls, data: dict) -> LoadReport:
-        return cls(**{**data, "compressed_kinds": tuple(data.get("compressed_kinds", ()))})
+        received = data.get("received")
+        return cls(**{**data, "compressed_kinds": tuple(data.get("compressed_kinds", ())),
+                      "received": tuple(received) if received is not None else None})
 
 
 @dataclass(frozen=True)

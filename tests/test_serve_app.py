@@ -469,6 +469,8 @@ def test_routing_prefers_the_replica_where_the_request_fits(client, app, serve_u
         full = held.headers["x-replica-id"]
     assert all(r.status_code == 200 for r in served)
     assert all(r.headers["x-replica-id"] != full for r in served), [r.headers["x-replica-id"] for r in served]
+    # The router's ledger keeps each request until a snapshot lists it as received: the replicas do list them.
+    wait_until(lambda: all(r.received for r in replicas().values()), "both replicas list what they received")
 
 
 def test_disconnect_aborts_the_request_and_frees_its_pages(client, app, serve_url):

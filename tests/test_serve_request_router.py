@@ -29,11 +29,11 @@ class FakeReplica:
 
 
 def stats(free: int, *, pages: int = 128, running: int = 0, waiting: int = 0, pending: int = 0,
-          at: float | None = None, pressured: bool = False) -> dict:
+          at: float | None = None, pressured: bool = False, received: tuple[str, ...] | None = None) -> dict:
     """What Serve holds as a replica's routing stats: its ``LoadReport`` as a dict."""
     return load_report(time=time.time() - 1 if at is None else at, num_pages=pages, num_free_pages=free,
                        num_pending_pages=pending, num_running=running, num_waiting=waiting, max_num_seqs=16,
-                       tokens_per_kv_page=16, is_pressured=pressured).to_dict()
+                       tokens_per_kv_page=16, is_pressured=pressured, received=received).to_dict()
 
 
 def engine_request(num_prompt_tokens: int, max_tokens: int | None = 16, rid: str = "r",
@@ -115,6 +115,22 @@ async def test_the_ledger_forgets_what_a_newer_snapshot_covers():
     assert (await choose(router, [a, b], pending(1000, rid="big")))[0] == "a"  # 67 pages
     assert (await choose(router, [a, b], pending(500, rid="next")))[0] == "b"  # a has 61 left in the ledger
     a.routing_stats = stats(free=128, at=time.time() + 1)  # the big one finished before this snapshot
+    assert (await choose(router, [a, b], pending(500, rid="later")))[0] == "a"
+
+
+@pytest.mark.asyncio
+async def test_a_snapshot_covers_only_the_requests_it_lists_as_received():
+    # A snapshot taken after the big one was routed, while it was still on its way (a busy host), does
+    # not count it: the router must keep counting it until a snapshot lists it.
+    a, b = FakeReplica("a", stats(free=128, received=())), FakeReplica("b", stats(free=100, received=()))
+    router = make_router(a, b)
+    assert (await choose(router, [a, b], pending(1000, rid="big")))[0] == "a"  # 67 pages
+    a.routing_stats = stats(free=128, at=time.time() + 1, received=())
+    assert (await choose(router, [a, b], pending(500, rid="next")))[0] == "b"
+    a.routing_stats = stats(free=61, at=time.time() + 2, received=("big",))  # arrived and prefilled
+    b.routing_stats = stats(free=40, at=time.time() + 2, received=("next",))
+    assert (await choose(router, [a, b], pending(500, rid="then")))[0] == "a"  # big counted once, not twice
+    a.routing_stats = stats(free=128, at=time.time() + 3, received=("big",))  # and finished
     assert (await choose(router, [a, b], pending(500, rid="later")))[0] == "a"
 
 
