@@ -18,8 +18,9 @@ Servers: ``ours`` is ``serve run`` of the app as ``benchmarks/mixed_traffic.py``
 (serve_config.yaml's scheduling, watermarks, kinds and tier, prefix caching on as shipped), told
 each request's SLOs and priority; ``ours-nopc`` the same with ``enable_prefix_caching=false``;
 ``vllm`` vLLM CPU with its defaults (prefix caching on, FCFS) and ``--enable-prompt-tokens-details``
-(to report cached tokens; changes nothing else); ``vllm-nopc`` with ``--no-enable-prefix-caching``
-(a lab baseline: users run vLLM with it on). The same random-weight OPT-125m checkpoint, bytes of
+(to report cached tokens; changes nothing else); ``vllm-priority`` the same with
+``--scheduling-policy priority``, told each request's priority (lower first, as ours); ``vllm-nopc``
+with ``--no-enable-prefix-caching`` (a lab baseline: users run vLLM with it on). The same random-weight OPT-125m checkpoint, bytes of
 cache (``--num-pages`` pages of 16 tokens; vLLM the same bytes in blocks of 32), 512-token step
 budget, one compute thread each.
 
@@ -175,11 +176,11 @@ def server(name: str, args, ckpt: str, port: int):
         ns = argparse.Namespace(**{**vars(args), "ours_args": list(args.ours_args) + (
             ["enable_prefix_caching=false"] if name == "ours-nopc" else [])})
         return mt.server_command("ours", ns, ckpt, port)
-    if name in ("vllm", "vllm-nopc"):
+    if name in ("vllm", "vllm-nopc", "vllm-priority"):
         extra = ["--enable-prompt-tokens-details"] + (["--no-enable-prefix-caching"] if name == "vllm-nopc" else [])
         ns = argparse.Namespace(**{**vars(args), "vllm_args": list(args.vllm_args) + extra})
-        return mt.server_command("vllm", ns, ckpt, port)
-    raise SystemExit(f"--servers: unknown {name!r}; valid: ours ours-nopc vllm vllm-nopc")
+        return mt.server_command("vllm-priority" if name == "vllm-priority" else "vllm", ns, ckpt, port)
+    raise SystemExit(f"--servers: unknown {name!r}; valid: ours ours-nopc vllm vllm-nopc vllm-priority")
 
 
 def spec_of(args) -> ConversationSpec:
