@@ -26,7 +26,11 @@ SHAPES = {
     "qwen2-tiny": ("qwen2", 64, 2, 4, 4, 128),  # biases on q/k/v
     "qwen3-tiny": ("qwen3", 64, 2, 4, 4, 128, {"head_dim": 32}),  # q/k norms; heads * head_dim != hidden
     "qwen3-tiny-gqa": ("qwen3", 64, 2, 4, 2, 128, {"head_dim": 16}),
-    "mistral-tiny": ("mistral", 64, 2, 4, 4, 128, {"sliding_window": 1024}),  # max_model_len capped there
+    # Sliding windows shorter than the tests' long prompt: every layer (Mistral), the layers from
+    # max_window_layers on (Qwen2's use_sliding_window).
+    "mistral-tiny": ("mistral", 64, 2, 4, 4, 128, {"sliding_window": 48}),
+    "qwen2-tiny-swa": ("qwen2", 64, 2, 4, 4, 128, {"use_sliding_window": True, "sliding_window": 48,
+                                                   "max_window_layers": 1}),
     "phi3-tiny": ("phi3", 64, 2, 4, 4, 128, {"partial_rotary_factor": 0.5}),  # fused qkv / gate-up
     # Gemma: (1 + w) norms, scaled embeddings; Gemma 2: extra norms, soft-capped scores and logits (caps
     # small enough to matter at random weights), local layers with a window shorter than the tests'

@@ -51,7 +51,7 @@ NEW_ARCHITECTURES = ["qwen2-tiny", "qwen3-tiny", "qwen3-tiny-gqa", "mistral-tiny
                      "gemma-tiny", "gemma2-tiny", "gemma3-tiny"]
 
 
-@pytest.mark.parametrize("shape", ["opt-tiny", "llama-tiny", "llama-tiny-gqa", *NEW_ARCHITECTURES])
+@pytest.mark.parametrize("shape", ["opt-tiny", "llama-tiny", "llama-tiny-gqa", *NEW_ARCHITECTURES, "qwen2-tiny-swa"])
 def test_random_checkpoints_match_transformers(checkpoint, shape):
     path = checkpoint(shape)
     llm = LLM(path, dtype="float32", num_pages=256, max_num_batched_tokens=128)
@@ -83,11 +83,16 @@ def test_new_architectures_hidden_and_int8_kinds_match_kv(checkpoint, shape, bac
     assert [o.outputs[0].token_ids for o in hidden] == [o.outputs[0].token_ids for o in kv_out]
 
 
-def test_a_sliding_window_caps_the_context_where_attention_is_exact(checkpoint):
-    path = checkpoint("mistral-tiny")  # window 1024 of 2048 positions
-    assert LLM(path, dtype="float32", num_pages=256).llm_engine.max_model_len == 1024
-    with pytest.raises(ValueError, match="max_model_len: 1500 exceeds the model's attention window 1024"):
-        LLM(path, dtype="float32", num_pages=256, max_model_len=1500)
+def test_sliding_window_layers_attend_within_their_window_at_any_length(checkpoint):
+    """Mistral (every layer) and Qwen2 with use_sliding_window (layers from max_window_layers on) mask
+    what lies behind the window (48 here) instead of capping the context; a window no shorter than
+    max_model_len masks nothing, so those layers keep the fast path."""
+    mistral = LLM(checkpoint("mistral-tiny"), dtype="float32", num_pages=256).llm_engine
+    assert mistral.max_model_len == 2048 and mistral.runner.model.windows == [48, 48]
+    qwen2 = LLM(checkpoint("qwen2-tiny-swa"), dtype="float32", num_pages=256).llm_engine
+    assert qwen2.runner.model.windows == [None, 48]
+    short = LLM(checkpoint("mistral-tiny"), dtype="float32", num_pages=256, max_model_len=48).llm_engine
+    assert short.runner.model.windows == [None, None]
 
 
 def test_gemma_attends_within_its_window_at_any_length(checkpoint):

@@ -4,8 +4,13 @@ gate-up weights, partial rotary). One pre-norm block with a gated MLP; what diff
 architectures is read from the checkpoint's weights (a fused projection, a bias, a norm) and config
 (activation, rotary share). MHA or grouped-query attention.
 
-Sliding-window attention (Mistral v0.1, Phi-3-mini, Qwen with ``use_sliding_window``) is exact for
-sequences no longer than the window: the runner caps ``max_model_len`` there (``sliding_window``)."""
+Sliding-window attention (Mistral v0.1, Phi-3-mini, Qwen2 with ``use_sliding_window``): a layer whose
+``layer_types`` entry is ``sliding_attention`` (every layer where the config names none) lets a query see
+only the keys less than ``sliding_window`` positions behind it, as transformers' sliding-window mask does.
+Where the window is shorter than ``max_model_len`` those layers take the masked path
+(``AttentionBackend._forward_masked``, as Gemma 2's local layers): exact at any length; the pages behind
+the window are kept, not freed. Where it is not, full attention is the same thing and the fast kernels
+serve every layer."""
 
 from __future__ import annotations
 
@@ -29,13 +34,18 @@ _ACTIVATIONS = {
 
 def sliding_window(config) -> int | None:
     """The attention window of a checkpoint whose layers use one (None: full attention everywhere)."""
+    return next((w for w in layer_windows(config) if w is not None), None)
+
+
+def layer_windows(config) -> list[int | None]:
+    """Each layer's attention window (None: full attention), as transformers reads the config: every
+    layer slides where ``layer_types`` is not given, else those marked ``sliding_attention``."""
     window = getattr(config, "sliding_window", None)
+    n = config.num_hidden_layers
     if not window:
-        return None
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return None
-    return int(window)
+        return [None] * n
+    types = getattr(config, "layer_types", None) or ["sliding_attention"] * n
+    return [int(window) if t == "sliding_attention" else None for t in types]
 
 
 class _Layer:
@@ -63,6 +73,8 @@ class _Layer:
 
 
 class LlamaModel(DecoderModel):
+    masks_sliding_window = True
+
     def __init__(self, config, state: dict[str, torch.Tensor], device, dtype, max_model_len: int) -> None:
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -90,6 +102,8 @@ class LlamaModel(DecoderModel):
         self.lm_head = self.embed if lm_head is None or getattr(config, "tie_word_embeddings", False) else lm_head
         self.logits = Linear(self.lm_head, keep_weight=True)
         self.rotary = RotaryEmbedding(config, head_dim, max_model_len, device, dtype)
+        # A window no shorter than the longest sequence served masks nothing: those layers attend in full.
+        self.windows = [w if w is not None and w < max_model_len else None for w in layer_windows(config)]
         self.kv_projections = [
             KVProjection(lay.w_qkv[self.q_dim :], None if lay.b_qkv is None else lay.b_qkv[self.q_dim :],
                          self.shape.num_kv_heads, head_dim, self.rotary, lay.k_norm, self.eps)
@@ -113,7 +127,7 @@ class LlamaModel(DecoderModel):
                 q, k = rms_norm(q, layer.q_norm, self.eps), rms_norm(k, layer.k_norm, self.eps)
             q = self.rotary.apply(q, positions)
             k = self.rotary.apply(k, positions)
-            a = meta.backend.forward(i, q, k, v, x, self.kv_projections[i], meta, self.scale)
+            a = meta.backend.forward(i, q, k, v, x, self.kv_projections[i], meta, self.scale, window=self.windows[i])
             h = h + layer.out(a.reshape(n, -1))
             x = self._rms_norm(h, layer.post_norm)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
