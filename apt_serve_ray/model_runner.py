@@ -37,11 +37,12 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto``: bf16 on CUDA and on CPUs with native bf16, float32 on other CPUs."""
+    """``auto``: bf16 on GPUs that compute in it (Ampere and later) and on CPUs with native bf16;
+    float16 on older GPUs, float32 on other CPUs."""
     if name != "auto":
         return _DTYPES[name]
     if device.type == "cuda":
-        return torch.bfloat16
+        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 

@@ -11,7 +11,7 @@ from apt_serve_ray.kernels.paged_kv_attention import paged_kv_decode
 
 
 def hidden_case(heads, kv_heads, rope, bias, seed):
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device=torch.get_default_device()).manual_seed(seed)  # on CUDA: a CUDA generator
     dim, hid, tpp, pages = 32, 64, 8, 24
     lens = torch.tensor([5, 17, 33], dtype=torch.int32)
     batch = len(lens)
@@ -35,7 +35,7 @@ def hidden_case(heads, kv_heads, rope, bias, seed):
 
 
 def kv_case(heads, kv_heads, dim, seed):
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device=torch.get_default_device()).manual_seed(seed)  # on CUDA: a CUDA generator
     block_size, pages = 16, 20
     lens = torch.tensor([1, 16, 17, 45], dtype=torch.int32)
     kv = torch.randn(pages, block_size, 2, kv_heads, dim, generator=g)
