@@ -15,6 +15,7 @@ _EXPORTS = {
     "LLM": "apt_serve_ray.llm",
     "HybridCacheLLM": "apt_serve_ray.llm",
     "SamplingParams": "apt_serve_ray.sampling_params",
+    "RequestOutputKind": "apt_serve_ray.sampling_params",
     "RequestOutput": "apt_serve_ray.outputs",
     "CompletionOutput": "apt_serve_ray.outputs",
     "EngineConfig": "apt_serve_ray.config",

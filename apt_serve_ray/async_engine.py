@@ -1,29 +1,39 @@
-"""The engine for servers: a loop runs ``step()`` continuously; callers submit requests and iterate
+"""The engine for servers: an ``EngineCore`` steps continuously; callers submit requests and iterate
 their outputs as ``async`` generators; a caller that stops iterating aborts its request.
 
-The loop is a thread of this process, or (``EngineConfig.engine_process``) a process of its own,
-which keeps the step loop's Python off this process's GIL (``engine_process.py``). Either way only
-the loop touches the engine's state: other threads hand it work (an inbox, or the pipe) and receive
-outputs through their event loop (``call_soon_threadsafe``).
+The core runs on a thread of this process (``ThreadTransport``), or (``EngineConfig.engine_process``)
+in a process of its own, which keeps the step loop's Python off this process's GIL
+(``engine_process.py``). Both speak the same messages (``engine_core.py``), so what this class does
+is the same either way: send commands, and hand each message that comes back to the stream it
+belongs to, through the stream's event loop (``call_soon_threadsafe``). Only the core touches the
+engine's state.
+
+Outputs stream as deltas (``RequestOutputKind.DELTA``: the new token ids, text and logprobs; the
+prompt on the first output, the metrics on the first and the last), so a step costs what it made,
+not the length of every running request. A request without stop strings is detokenised here, in
+the caller's event loop, instead of on the step loop (the same incremental detokeniser, so the same
+text); one with stop strings is detokenised by the engine, which must see the text to stop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import threading
-import time
 import uuid
 from collections import deque
 from typing import AsyncIterator
 
 from apt_serve_ray.config import EngineConfig, check_share
+from apt_serve_ray.detokenizer import IncrementalDetokenizer
 from apt_serve_ray.engine import LLMEngine
-from apt_serve_ray.engine_process import EngineObservers, EngineProcess, MetricsReplay, attach_observers, timeline_of
+from apt_serve_ray.engine_core import EngineCore, ThreadTransport, timeline_of
+from apt_serve_ray.engine_process import EngineObservers, EngineProcess, MetricsReplay, attach_observers
 from apt_serve_ray.llm import apply_chat_template
 from apt_serve_ray.outputs import RequestOutput
-from apt_serve_ray.sampling_params import SamplingParams
+from apt_serve_ray.sampling_params import RequestOutputKind, SamplingParams
 from apt_serve_ray.stats import CacheStats
 
 logger = logging.getLogger("apt_serve_ray")
@@ -41,11 +51,9 @@ class AsyncLLMEngine:
                  observers: EngineObservers | None = None, metrics_backend=None) -> None:
         self.config = engine.config if engine is not None else config
         self.in_process = engine is not None or not self.config.engine_process
-        self._inbox: deque = deque()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
+        self._stopping = False
         self._thread: threading.Thread | None = None
         self.loop_thread_id: int | None = None  # native id, once the loop runs (in-process mode)
         self._error: BaseException | None = None
@@ -53,20 +61,24 @@ class AsyncLLMEngine:
         self._tokenizer = None
         self._replies: dict[int, tuple[threading.Event, list]] = {}
         self._tokens = itertools.count()
+        self._metrics_replay = None
         if self.in_process:
             self.engine: LLMEngine | None = engine or LLMEngine(config)
             self.process: EngineProcess | None = None
             self._tracker = attach_observers(self.engine, observers, metrics_backend)
+            self._transport: ThreadTransport | None = ThreadTransport()
+            self._core: EngineCore | None = EngineCore(self.engine, self._on_message, self._tracker)
             self._cache: CacheStats = self.engine.cache_stats()
             self._max_model_len = self.engine.max_model_len
         else:
             self.engine = None
             self.process = EngineProcess(config, observers)
-            self._tracker = None
+            self._tracker = self._transport = self._core = None
             self._cache = self.process.info["cache"]
             self._max_model_len = self.process.info["max_model_len"]
             defs = self.process.info["metric_defs"]
-            self._metrics_replay = MetricsReplay(metrics_backend, defs) if metrics_backend is not None and defs else None
+            if metrics_backend is not None and defs:
+                self._metrics_replay = MetricsReplay(metrics_backend, defs)
 
     @property
     def tokenizer(self):
@@ -90,8 +102,8 @@ class AsyncLLMEngine:
             self._thread.start()
 
     def shutdown(self) -> None:
-        self._stop.set()
-        self._wake.set()
+        self._stopping = True
+        self._send("stop")
         if self.process is not None:
             self.process.stop()
         if self._thread is not None:
@@ -100,9 +112,9 @@ class AsyncLLMEngine:
     def check_health(self) -> None:
         if self._error is not None:
             raise EngineDeadError(f"engine loop died: {self._error!r}")
-        if self._thread is not None and not self._thread.is_alive() and not self._stop.is_set():
+        if self._thread is not None and not self._thread.is_alive() and not self._stopping:
             raise EngineDeadError("engine loop thread is not running")
-        if self.process is not None and not self.process.is_alive() and not self._stop.is_set():
+        if self.process is not None and not self.process.is_alive() and not self._stopping:
             raise EngineDeadError("engine process is not running")
 
     # Requests -------------------------------------------------------------------------------------
@@ -113,26 +125,24 @@ class AsyncLLMEngine:
         self, prompt: str | list[int], sampling_params: SamplingParams | None = None, request_id: str | None = None,
         **request_options,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield one ``RequestOutput`` per new token (``delta_text``/``delta_token_ids`` hold what is
-        new), the last with ``finished=True``. Raises ValueError at once for bad input.
-        ``request_options``: ``LLMEngine.make_request``'s (``priority``, ``ttft_slo_ms``, ``tbt_slo_ms``,
-        ``trace_context``, ``service_class``)."""
+        """Yield the request's outputs as deltas (``RequestOutputKind.DELTA``: ``outputs[0].token_ids``,
+        ``text`` and ``logprobs`` hold what is new, as do ``delta_token_ids`` / ``delta_text``; the
+        counts are whole), the last with ``finished=True``. A bad request raises ValueError at the
+        first iteration. ``request_options``: ``LLMEngine.make_request``'s (``priority``,
+        ``ttft_slo_ms``, ``tbt_slo_ms``, ``trace_context``, ``service_class``)."""
         self.check_health()
-        if self.in_process:
-            request = self.engine.make_request(prompt, sampling_params, request_id, **request_options)
-            rid = request.request_id
-        else:  # validated in the engine process: a bad request comes back as the stream's first item
-            rid = request_id or uuid.uuid4().hex
+        sp = sampling_params if sampling_params is not None else SamplingParams()
+        here = sp.detokenize and not sp.stop_strings  # detokenised here, off the step loop
+        sp = dataclasses.replace(sp, output_kind=RequestOutputKind.DELTA, detokenize=sp.detokenize and not here)
+        detok = IncrementalDetokenizer(self.tokenizer, sp.skip_special_tokens, [], sp.include_stop_str_in_output) \
+            if here else None
+        rid = request_id or uuid.uuid4().hex
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if rid in self._streams:
                 raise ValueError(f"request_id: {rid!r} is already in use")
             self._streams[rid] = (asyncio.get_running_loop(), queue)
-            if self.in_process:
-                self._inbox.append(("add", request))
-        if self.process is not None:
-            self.process.send("add", prompt, sampling_params, rid, request_options)
-        self._wake.set()
+        self._send("add", prompt, sp, rid, request_options)
         finished = False
         try:
             while True:
@@ -140,6 +150,11 @@ class AsyncLLMEngine:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                if detok is not None:
+                    c = item.outputs[0]
+                    for token in c.token_ids:
+                        detok.add_token(token)
+                    c.text = c.delta_text = detok.take_delta(finished)
                 yield item
                 if finished:
                     return
@@ -150,25 +165,23 @@ class AsyncLLMEngine:
                 self._streams.pop(rid, None)
 
     def abort(self, request_id: str) -> None:
-        self._command("abort", request_id)
+        self._send("abort", request_id)
 
     # Control --------------------------------------------------------------------------------------
     def set_cache_ratio(self, ratio: float) -> None:
-        self._command("ratio", check_share("cache_ratio", ratio))  # checked here: the caller gets the error
+        self._send("ratio", check_share("cache_ratio", ratio))  # checked here: the caller gets the error
 
     def set_admission(self, open_: bool) -> None:
-        self._command("admission", bool(open_))
+        self._send("admission", bool(open_))
 
-    def _command(self, op: str, arg) -> None:
-        if self.process is not None:
-            try:
-                self.process.send(op, arg)
-            except (OSError, EOFError):  # the engine process is gone; check_health says so
-                pass
+    def _send(self, *msg) -> None:
+        if self.process is None:
+            self._transport.put(msg)
             return
-        with self._lock:
-            self._inbox.append((op, arg))
-        self._wake.set()
+        try:
+            self.process.send(*msg)
+        except (OSError, EOFError):  # the engine process is gone; check_health says so
+            pass
 
     def memory_timeline(self, timeout_s: float = 10.0) -> dict:
         """The cache-memory timeline (``observers.tracker``): series, crossings and watermarks."""
@@ -197,101 +210,65 @@ class AsyncLLMEngine:
         """The latest snapshot of the engine's cache and queues (after its last step or command)."""
         return self._cache
 
-    def load(self) -> dict:
-        """``cache_stats()`` as the load-report dict (``CacheStats.as_load``), with the mean step time
-        and the number of open streams, for routing and the controller."""
-        load = self._cache.as_load()
-        load["step_time_ms"] = 1000.0 * sum(self._step_times) / len(self._step_times) if self._step_times else 0.0
-        load["num_streams"] = len(self._streams)
-        return load
+    @property
+    def step_time_ms(self) -> float:
+        """The mean of the engine's recent steps (0 before the first)."""
+        return 1000.0 * sum(self._step_times) / len(self._step_times) if self._step_times else 0.0
 
-    # The loop thread ------------------------------------------------------------------------------
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    # What comes back ------------------------------------------------------------------------------
     def _run(self) -> None:
+        """In-process: the core on this thread; its messages are handled as it sends them."""
         self.loop_thread_id = threading.get_native_id()
         if self.config.cpu_affinity:
             from apt_serve_ray.cpu_affinity import pin_current_thread
 
             if pin_current_thread(self.config.cpu_affinity):
                 logger.info("engine loop thread pinned to CPUs %s", list(self.config.cpu_affinity))
-        try:
-            while not self._stop.is_set():
-                self._drain_inbox()
-                if not self.engine.has_unfinished_requests():
-                    self._cache = self.engine.cache_stats()
-                    self._wake.wait(timeout=0.5)
-                    self._wake.clear()
-                    continue
-                start = time.perf_counter()
-                outputs = self.engine.step()
-                step = self.engine.last_step
-                if outputs or step is not None:
-                    self._step_times.append(time.perf_counter() - start)
-                self._cache = step.cache if step is not None else self.engine.cache_stats()
-                for out in outputs:
-                    self._deliver(out.request_id, out)
-                if not outputs and step is None:
-                    # Nothing could run (e.g. admission closed): do not spin.
-                    self._wake.wait(timeout=0.01)
-                    self._wake.clear()
-        except BaseException as exc:  # noqa: BLE001 - every waiting caller must hear about it
-            logger.exception("engine loop died")
-            self._error = exc
-            with self._lock:
-                streams = list(self._streams)
-            for rid in streams:
-                self._deliver(rid, EngineDeadError(f"engine loop died: {exc!r}"))
+        self._core.run(self._transport.receive)
 
     def _read(self) -> None:
-        """Engine-process mode: deliver what the engine process sends, until it ends."""
+        """Engine-process mode: handle what the engine process sends, until it ends."""
         try:
             while True:
-                msg = self.process.conn.recv()
-                kind = msg[0]
-                if kind == "step":
-                    _, outputs, self._cache, step_s, metric_ops = msg
-                    if step_s:
-                        self._step_times.append(step_s)
-                    if metric_ops and self._metrics_replay is not None:
-                        self._metrics_replay.apply(metric_ops)
-                    for out in outputs:
-                        self._deliver(out.request_id, out)
-                elif kind == "cache":
-                    self._cache = msg[1]
-                elif kind == "invalid":
-                    self._deliver(msg[1], ValueError(msg[2]))
-                elif kind == "reply":
-                    entry = self._replies.get(msg[1])
-                    if entry is not None:
-                        entry[1].append(msg[2])
-                        entry[0].set()
-                elif kind == "died":
-                    raise RuntimeError(msg[1])
-        except (EOFError, OSError, RuntimeError) as exc:
-            if self._stop.is_set():
-                return
-            logger.error("engine process ended: %s", exc)
-            self._error = exc if isinstance(exc, RuntimeError) else RuntimeError("engine process exited")
-            with self._lock:
-                streams = list(self._streams)
-            for rid in streams:
-                self._deliver(rid, EngineDeadError(f"engine process died: {self._error}"))
+                self._on_message(self.process.conn.recv())
+        except (EOFError, OSError) as exc:
+            if not self._stopping:
+                logger.error("engine process ended: %s", exc)
+                self._fail(RuntimeError("engine process exited"))
 
-    def _drain_inbox(self) -> None:
-        while True:
-            with self._lock:
-                if not self._inbox:
-                    return
-                op, arg = self._inbox.popleft()
-            if op == "add":
-                self.engine.add_request(arg)
-            elif op == "abort":
-                out = self.engine.abort_request(arg)
-                if out is not None:
-                    self._deliver(arg, out)
-            elif op == "ratio":
-                self.engine.adjust_cache_ratio(arg)
-            elif op == "admission":
-                self.engine.set_admission(arg)
+    def _on_message(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "step":
+            _, outputs, self._cache, step_s, metric_ops = msg
+            if step_s:
+                self._step_times.append(step_s)
+            if metric_ops and self._metrics_replay is not None:
+                self._metrics_replay.apply(metric_ops)
+            for out in outputs:
+                self._deliver(out.request_id, out)
+        elif kind == "cache":
+            self._cache = msg[1]
+        elif kind == "invalid":
+            self._deliver(msg[1], ValueError(msg[2]))
+        elif kind == "reply":
+            entry = self._replies.get(msg[1])
+            if entry is not None:
+                entry[1].append(msg[2])
+                entry[0].set()
+        elif kind == "died":
+            self._fail(RuntimeError(msg[1].strip().splitlines()[-1] if msg[1].strip() else "engine loop died"))
+
+    def _fail(self, exc: BaseException) -> None:
+        """The core is gone: every open stream ends with an error."""
+        self._error = exc
+        with self._lock:
+            streams = list(self._streams)
+        for rid in streams:
+            self._deliver(rid, EngineDeadError(f"engine died: {exc}"))
 
     def _deliver(self, request_id: str, item) -> None:
         with self._lock:

@@ -24,7 +24,7 @@ from apt_serve_ray.model_runner import ModelRunner
 from apt_serve_ray.observability.observer import EngineObserver, RequestEvent, RequestLogger
 from apt_serve_ray.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from apt_serve_ray.request import CacheKind, Request, RequestStatus
-from apt_serve_ray.sampling_params import SamplingParams
+from apt_serve_ray.sampling_params import RequestOutputKind, SamplingParams
 from apt_serve_ray.scheduler.output import ScheduledChunk
 from apt_serve_ray.scheduler.registry import make_policy
 from apt_serve_ray.scheduler.scheduler import Scheduler
@@ -211,9 +211,10 @@ class LLMEngine:
         if request.request_id in self.requests:
             raise ValueError(f"request_id: {request.request_id!r} is already in use")
         sp = request.sampling_params
-        self._detokenizers[request.request_id] = IncrementalDetokenizer(
-            self.tokenizer, sp.skip_special_tokens, sp.stop_strings, sp.include_stop_str_in_output
-        )
+        if sp.detokenize:  # else the caller detokenises (the async engine, off the step loop)
+            self._detokenizers[request.request_id] = IncrementalDetokenizer(
+                self.tokenizer, sp.skip_special_tokens, sp.stop_strings, sp.include_stop_str_in_output
+            )
         if sp.structured_output is not None:
             self.structured_outputs().add(request.request_id, sp.structured_output)
         self.requests[request.request_id] = request
@@ -275,7 +276,7 @@ class LLMEngine:
         for chunk in out.chunks:
             chunk.request.num_computed_tokens += chunk.num_tokens
             name_pages(chunk.request)
-        outputs = [self._on_token(request, sampled, now) for request, sampled in results]
+        outputs = [o for o in (self._on_token(request, sampled, now) for request, sampled in results) if o is not None]
         self.num_steps += 1
         decodes = sum(1 for c in out.chunks if c.num_tokens == 1 and c.request.num_output_tokens)
         upgrades = sum(p.is_upgrade for p in out.conversions)
@@ -305,7 +306,7 @@ class LLMEngine:
                 self._emit(self.requests[plan.request_id], event, now, num_tokens=plan.num_tokens,
                            kind=plan.to_kind.value)
 
-    def _on_token(self, request: Request, sampled, now: float) -> RequestOutput:
+    def _on_token(self, request: Request, sampled, now: float) -> RequestOutput | None:
         token = sampled.token_id
         request.append_output_token(token, now)
         if request.num_output_tokens == 1:
@@ -313,7 +314,8 @@ class LLMEngine:
         if sampled.logprob is not None:
             request.cumulative_logprob += sampled.logprob
             request.output_logprobs.append(sampled.top_logprobs)
-        stop_string = self._detokenizers[request.request_id].add_token(token)
+        detok = self._detokenizers.get(request.request_id)
+        stop_string = detok.add_token(token) if detok is not None else None
         sp = request.sampling_params
         status, reason = None, None
         may_stop = request.num_output_tokens >= sp.min_tokens
@@ -342,24 +344,46 @@ class LLMEngine:
         self._detokenizers.pop(request.request_id, None)
         return output
 
-    def _output(self, request: Request) -> RequestOutput:
-        detok = self._detokenizers[request.request_id]
+    def _output(self, request: Request) -> RequestOutput | None:
+        """The request's output after a token or its end, as its ``output_kind`` asks (None: nothing
+        to return now, ``FINAL_ONLY`` before the end). A delta costs what is new, not the request's
+        length: nothing here copies the prompt or the whole output."""
+        sp = request.sampling_params
         finished = request.is_finished
-        new_tokens = request.output_token_ids[len(request.output_token_ids) - 1 :] if request.token_times else []
+        kind = sp.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        first = not request.output_emitted
+        start, n = request.num_emitted_tokens, request.num_output_tokens
+        request.output_emitted, request.num_emitted_tokens = True, n
+        new_tokens = request.output_token_ids[start:]
+        detok = self._detokenizers.get(request.request_id)
+        delta_text = detok.take_delta(finished) if detok is not None else ""
+        with_logprobs = sp.logprobs is not None
+        if kind is RequestOutputKind.DELTA:
+            token_ids, text = new_tokens, delta_text
+            logprobs = request.output_logprobs[start:] if with_logprobs else None
+        else:
+            token_ids, text = list(request.output_token_ids), detok.text if detok is not None else ""
+            logprobs = list(request.output_logprobs) if with_logprobs else None
         completion = CompletionOutput(
-            index=0, text=detok.text, token_ids=list(request.output_token_ids),
-            cumulative_logprob=request.cumulative_logprob if request.sampling_params.logprobs is not None else None,
-            logprobs=list(request.output_logprobs) if request.sampling_params.logprobs is not None else None,
+            index=0, text=text, token_ids=token_ids,
+            cumulative_logprob=request.cumulative_logprob if with_logprobs else None, logprobs=logprobs,
             finish_reason=request.status.value if finished else None, stop_reason=request.stop_reason,
-            delta_text=detok.take_delta(finished), delta_token_ids=new_tokens,
+            delta_text=delta_text, delta_token_ids=new_tokens,
         )
-        metrics = RequestMetrics(
-            request.arrival_time, request.first_scheduled_time, request.first_token_time, request.last_token_time,
-            request.finish_time, list(request.token_times), request.num_preemptions, request.num_upgrades,
-            request.last_kind.value if request.last_kind else None, request.num_compressions,
-        )
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion], finished,
-                             metrics, request.error, num_cached_tokens=request.num_cached_tokens)
+        whole = kind is not RequestOutputKind.DELTA
+        metrics = None
+        if whole or first or finished:
+            metrics = RequestMetrics(
+                request.arrival_time, request.first_scheduled_time, request.first_token_time,
+                request.last_token_time, request.finish_time, list(request.token_times), request.num_preemptions,
+                request.num_upgrades, request.last_kind.value if request.last_kind else None, request.num_compressions,
+            )
+        return RequestOutput(request.request_id, request.prompt if whole or first else None,
+                             request.prompt_token_ids if whole or first else None, [completion], finished,
+                             metrics, request.error, num_cached_tokens=request.num_cached_tokens,
+                             num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=n)
 
     def prompt_logits(self, token_ids: list[int], kind: CacheKind = CacheKind.KV) -> torch.Tensor:
         """Logits at every position of ``token_ids`` ([n, vocab], float32), computed through the paged

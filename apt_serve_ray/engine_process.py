@@ -1,18 +1,13 @@
 """The engine's step loop in a process of its own, behind ``AsyncLLMEngine`` (``engine_process=True``).
 
 In a server the step loop shares its process with the transport: Ray's threads serialising every
-streamed token, the replica's event loop. Its Python parts (per-layer glue, scheduling, sampling,
-detokenisation) then wait for the GIL those threads hold. Measured through Ray Serve with 64 streams
-(OPT-125m bf16, one compute thread): the same engine makes 222-229 tok/s in a process with 64
-asyncio consumers and 188 in a Serve replica. vLLM runs its engine core in a separate process for
-this reason; this module does the same, with one message per step each way:
-
-    parent -> child   ("add", prompt, params, request_id, options)  ("abort", id)  ("ratio", x)
-                      ("admission", open)  ("query", token, name)  ("stop",)
-    child -> parent   ("ready", info)  ("failed", text)  ("step", outputs, cache, step_s, metric_ops)
-                      ("cache", cache)  ("invalid", id, message)  ("reply", token, value)  ("died", text)
-
-``cache`` is the engine's ``CacheStats`` after the step or command (``stats.py``).
+streamed token, the replica's event loop. Its Python parts (per-layer glue, scheduling, sampling)
+then wait for the GIL those threads hold. Measured through Ray Serve with 64 streams (OPT-125m bf16,
+one compute thread): the same engine makes 222-229 tok/s in a process with 64 asyncio consumers and
+188 in a Serve replica. vLLM runs its engine core in a separate process for this reason; this module
+does the same: the child runs the ``EngineCore`` (``engine_core.py``: the loop and its messages, the
+same as on a thread) over a socket, one message per step each way. Before it, the parent sends the
+config and the observers; the child answers ``("ready", info)`` or ``("failed", traceback)``.
 
 Observers that need the engine object run in the child (``EngineObservers``): the engine's metrics
 are recorded there into ``RecordingMetrics`` and replayed by the parent into its real backend (Ray's
@@ -30,6 +25,8 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+
+from apt_serve_ray.engine_core import EngineCore
 
 logger = logging.getLogger("apt_serve_ray")
 
@@ -64,12 +61,6 @@ def attach_observers(engine, spec: EngineObservers | None, metrics_backend):
 
         return CacheTracker(engine, min_interval_s=spec.tracker_min_interval_s, max_samples=spec.tracker_max_samples)
     return None
-
-
-def timeline_of(tracker) -> dict:
-    if tracker is None:
-        return {"series": {}, "crossings": [], "light_watermark": 0.7, "heavy_watermark": 0.9}
-    return tracker.timeline()
 
 
 # Metrics across the process boundary ----------------------------------------------------------------
@@ -131,8 +122,7 @@ class MetricsReplay:
 
 # The child -----------------------------------------------------------------------------------------
 def _engine_main(config, spec: EngineObservers | None, conn) -> None:
-    """The engine process: build the engine, then step while there is work, reading commands between
-    steps. Every accepted request ends in the parent's stream: finished, aborted or an error."""
+    """The engine process: build the engine, then run its core over ``conn``."""
     try:
         from apt_serve_ray.engine import LLMEngine
 
@@ -148,67 +138,16 @@ def _engine_main(config, spec: EngineObservers | None, conn) -> None:
     except BaseException:  # noqa: BLE001 - the parent raises it as its own construction error
         conn.send(("failed", traceback.format_exc()))
         return
-    try:
-        while True:
-            busy = engine.has_unfinished_requests()
-            if conn.poll(0 if busy else 0.5):
-                while True:
-                    if _handle(conn.recv(), engine, conn, tracker):
-                        return
-                    if not conn.poll(0):
-                        break
-            if not engine.has_unfinished_requests():
-                continue
-            start = time.perf_counter()
-            outputs = engine.step()
-            step_s = time.perf_counter() - start
-            if outputs or engine.last_step is not None:
-                cache = engine.last_step.cache if engine.last_step is not None else engine.cache_stats()
-                conn.send(("step", outputs, cache, step_s, recording.drain() if recording is not None else None))
-            elif not outputs:
-                time.sleep(0.01)  # nothing could run (e.g. admission closed): do not spin
-    except (EOFError, BrokenPipeError, ConnectionResetError):
-        return  # the parent is gone
-    except BaseException:  # noqa: BLE001
-        try:
-            conn.send(("died", traceback.format_exc()))
-        except (OSError, EOFError):
-            pass
 
+    def receive(timeout_s: float) -> list:
+        msgs = []
+        if conn.poll(timeout_s):
+            msgs.append(conn.recv())
+            while conn.poll(0):
+                msgs.append(conn.recv())
+        return msgs
 
-def _handle(msg, engine, conn, tracker) -> bool:
-    """One command; True means stop."""
-    op = msg[0]
-    if op == "add":
-        _, prompt, params, request_id, options = msg
-        try:
-            engine.add_request(prompt, params, request_id, **options)
-        except ValueError as exc:
-            conn.send(("invalid", request_id, str(exc)))
-    elif op == "abort":
-        out = engine.abort_request(msg[1])
-        if out is not None:
-            conn.send(("step", [out], engine.cache_stats(), 0.0, None))
-    elif op in ("ratio", "admission"):
-        if op == "ratio":
-            engine.adjust_cache_ratio(msg[1])
-        else:
-            engine.set_admission(msg[1])
-        conn.send(("cache", engine.cache_stats()))  # the parent's load report must show it, idle or not
-    elif op == "query":
-        _, token, name = msg
-        if name == "memory_timeline":
-            value = timeline_of(tracker)
-        elif name == "finished_spans":
-            from apt_serve_ray.observability.tracing import finished_spans
-
-            value = finished_spans()
-        else:
-            value = None
-        conn.send(("reply", token, value))
-    elif op == "stop":
-        return True
-    return False
+    EngineCore(engine, conn.send, tracker, recording).run(receive)
 
 
 # The parent's handle -------------------------------------------------------------------------------

@@ -39,12 +39,20 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
+    """One output of a request. What it carries depends on the request's ``output_kind``
+    (``RequestOutputKind``): everything so far (``CUMULATIVE``, the offline API's), or what is new
+    (``DELTA``, what the async engine streams: ``outputs[0].token_ids`` / ``text`` / ``logprobs`` hold
+    the new part only, ``prompt`` and ``prompt_token_ids`` come on the first output only (None after),
+    ``metrics`` on the first and the last). The counts are always whole."""
+
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int] | None
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
     error: str | None = None
     # Prompt tokens found in the prefix cache when it was first admitted (None before it was admitted).
     num_cached_tokens: int | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # generated so far

@@ -130,6 +130,10 @@ class Request:
         self.block_hashes: dict[CacheKind | tuple, list[bytes]] = {}
         self.num_named_pages = 0
         self.num_cached_tokens: int | None = None
+        # Output tokens already returned in a RequestOutput (and whether one was returned at all):
+        # what a delta output starts from.
+        self.num_emitted_tokens = 0
+        self.output_emitted = False
 
         # Timestamps (time.monotonic seconds) for every latency metric.
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time

@@ -5,11 +5,23 @@ Validated once at construction: every bad value raises ``ValueError`` naming the
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from apt_serve_ray.structured import StructuredOutput
+
+
+class RequestOutputKind(enum.Enum):
+    """What each ``RequestOutput`` of a request carries (vLLM's names). ``CUMULATIVE``: everything so
+    far (the prompt, every output token, its text, its metrics). ``DELTA``: what is new since the
+    last one (token ids, text, logprobs); the prompt on the first output only, the metrics on the first
+    and the last. ``FINAL_ONLY``: one output, when it finishes, whole."""
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
 
 
 @dataclass
@@ -26,6 +38,11 @@ class SamplingParams:
     [-2, 2]; ``repetition_penalty`` (> 0; 1 is off) divides positive and multiplies negative logits
     of every token in the prompt or the output. ``logprobs`` report the model's distribution before
     these adjustments (vLLM's default).
+
+    ``output_kind``: what each output carries (``RequestOutputKind``; the async engine streams
+    deltas whatever is set here). ``detokenize=False``: the engine returns token ids and no text
+    (stop strings need the text, so they refuse it); the async engine uses it to detokenise in its
+    caller instead of on the step loop.
     """
 
     n: int = 1
@@ -49,6 +66,8 @@ class SamplingParams:
     # The output must match this (``apt_serve_ray.structured``): a JSON schema, any JSON object, a
     # regular expression or one of some strings. None: free text.
     structured_output: "StructuredOutput | None" = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    detokenize: bool = True
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -85,6 +104,16 @@ class SamplingParams:
         if any(s == "" for s in stops):
             raise ValueError("stop: stop strings must not be empty")
         self._stop_list = stops
+        if not isinstance(self.output_kind, RequestOutputKind):
+            try:
+                self.output_kind = RequestOutputKind(self.output_kind)
+            except ValueError:
+                raise ValueError(f"output_kind: must be one of {[k.value for k in RequestOutputKind]}, "
+                                 f"got {self.output_kind!r}") from None
+        if not isinstance(self.detokenize, bool):
+            raise ValueError(f"detokenize: must be a boolean, got {self.detokenize!r}")
+        if stops and not self.detokenize:
+            raise ValueError("detokenize: stop strings are found in the text, so they need detokenize=True")
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(

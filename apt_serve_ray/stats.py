@@ -4,8 +4,7 @@
 These are the contract with everything that watches the engine: observers (metrics, the memory
 timeline), the async engine and the engine process (which sends them to its parent every step, so
 they pickle), the benchmark driver. A field is the contract: adding one is compatible, renaming or
-removing one is a change every reader sees. ``CacheStats.as_load()`` is the older dict shape that
-``AsyncLLMEngine.load()`` still reports to the Serve deployments.
+removing one is a change every reader sees (the Serve replica builds its ``LoadReport`` from these).
 """
 
 from __future__ import annotations
@@ -70,33 +69,6 @@ class CacheStats:
         """Tokens found in the prefix cache per token looked up at admission, since the start."""
         queries = sum((self.prefix_query_tokens or {}).values())
         return sum((self.prefix_hit_tokens or {}).values()) / queries if queries else 0.0
-
-    def as_load(self) -> dict:
-        """The load-report keys of ``AsyncLLMEngine.load()`` (per-kind figures as ``{"kv", "hidden"}``)."""
-        return {
-            "hidden_supported": self.hidden_supported,
-            "hidden_allowed": self.hidden_allowed,
-            "hidden_ratio": self.hidden_ratio,
-            "bytes_per_token": {"kv": self.kv_bytes_per_token, "hidden": self.hidden_bytes_per_token},
-            "tokens_per_page": {"kv": self.kv_tokens_per_page, "hidden": self.hidden_tokens_per_page},
-            "bytes_per_page": self.bytes_per_page,
-            "num_pages": self.num_pages,
-            "num_free_pages": self.num_free_pages,
-            "pages": self.pages_by_kind or {"kv": self.num_kv_pages, "hidden": self.num_hidden_pages},
-            "tokens": self.tokens_by_kind or {"kv": self.num_kv_tokens, "hidden": self.num_hidden_tokens},
-            "compressed_kinds": list(self.compressed_kinds),
-            "compressed_share": self.compressed_share,
-            "usage": self.usage,
-            "cache_ratio": self.cache_ratio,
-            "hidden_share": self.hidden_share,
-            "num_waiting": self.num_waiting,
-            "num_running": self.num_running,
-            "num_preemptions": self.num_preemptions,
-            "admission_open": self.admission_open,
-            "max_running_priority": self.max_running_priority,
-            "num_cached_pages": self.num_cached_pages,
-            "prefix_hit_rate": self.prefix_hit_rate,
-        }
 
 
 @dataclass(frozen=True)

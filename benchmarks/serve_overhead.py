@@ -101,7 +101,7 @@ class InProcess:
             start, arrivals, n = time.perf_counter(), [], 0
             async for out in self.engine.generate(prompt, self.params):
                 arrivals.append(time.perf_counter())
-                n = len(out.outputs[0].token_ids)
+                n = out.num_output_tokens
             return start, arrivals, n
         return self.loop.run_until_complete(one())
 

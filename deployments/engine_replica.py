@@ -125,14 +125,14 @@ class EngineReplica:
         self._pending_pages: dict[object, int] = {}
         # (when, Serve's internal request id) of the generate calls received lately, for LoadReport.received.
         self._received: collections.deque[tuple[float, str]] = collections.deque()
-        self._tokens_per_page = self.engine.load()["tokens_per_page"]["kv"]
+        self._tokens_per_page = self.engine.cache_stats().kv_tokens_per_page
         self._applied_ratio: float | None = None
         self._is_pressured = False  # the controller's last word, passed on to the request router
         self._controller = controller
         self._report_interval_s = report_interval_s
         self._reporter = asyncio.create_task(self._report_loop()) if controller is not None else None
         logger.info("engine replica %s ready: model %s, %d pages", self.replica_id, self.model,
-                    self.engine.load()["num_pages"])
+                    self.engine.cache_stats().num_pages)
 
     # Requests -------------------------------------------------------------------------------------
     async def generate(self, request: EngineRequest, replica_id: str | None = None):
@@ -200,19 +200,17 @@ class EngineReplica:
         engine_ttft_s = None
         if (first or out.finished) and m is not None and m.first_token_time is not None:
             engine_ttft_s = m.first_token_time - m.arrival_time
-        logprobs = None
-        if c.logprobs is not None:  # the whole list so far: the delta's are its last entries
-            logprobs = tuple(c.logprobs[len(c.logprobs) - len(c.delta_token_ids):])
+        logprobs = None if c.logprobs is None else tuple(c.logprobs)  # a delta: the new tokens' only
         item = StreamItem(c.delta_text, tuple(c.delta_token_ids), logprobs=logprobs, engine_ttft_s=engine_ttft_s)
         if first:
-            item = dataclasses.replace(item, replica_id=self.replica_id, num_prompt_tokens=len(out.prompt_token_ids))
+            item = dataclasses.replace(item, replica_id=self.replica_id, num_prompt_tokens=out.num_prompt_tokens)
         if out.finished:
             e2e = None
             if engine_ttft_s is not None:  # as the engine saw it, for overhead studies
                 e2e = (m.finish_time or m.last_token_time) - m.arrival_time
             item = dataclasses.replace(item, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                       num_output_tokens=len(c.token_ids), error=out.error, engine_e2e_s=e2e,
-                                       num_cached_tokens=getattr(out, "num_cached_tokens", None))
+                                       num_output_tokens=out.num_output_tokens, error=out.error, engine_e2e_s=e2e,
+                                       num_cached_tokens=out.num_cached_tokens)
         return item
 
     # Control --------------------------------------------------------------------------------------
@@ -231,18 +229,19 @@ class EngineReplica:
         self.engine.check_health()
 
     def load(self) -> LoadReport:
-        engine = self.engine.load()  # the engine's snapshot (a dict: cache and queue state)
+        cache = self.engine.cache_stats()  # the engine's snapshot after its last step or command
+        pages = cache.pages_by_kind or {"kv": cache.num_kv_pages, "hidden": cache.num_hidden_pages}
         return LoadReport(
             replica_id=self.replica_id, actor_name=self.actor_name, model=self.model, time=time.time(),
-            num_pages=engine["num_pages"], num_free_pages=engine["num_free_pages"],
-            num_pending_pages=sum(self._pending_pages.values()), tokens_per_kv_page=engine["tokens_per_page"]["kv"],
-            hidden_allowed=engine["hidden_allowed"], cache_ratio=engine["cache_ratio"],
-            num_running=engine["num_running"], num_waiting=engine["num_waiting"],
+            num_pages=cache.num_pages, num_free_pages=cache.num_free_pages,
+            num_pending_pages=sum(self._pending_pages.values()), tokens_per_kv_page=cache.kv_tokens_per_page,
+            hidden_allowed=cache.hidden_allowed, cache_ratio=cache.cache_ratio,
+            num_running=cache.num_running, num_waiting=cache.num_waiting,
             max_num_seqs=self.engine.config.max_num_seqs, max_model_len=self.engine.max_model_len,
-            step_time_ms=engine["step_time_ms"], seed=self.engine.config.seed,
+            step_time_ms=self.engine.step_time_ms, seed=self.engine.config.seed,
             num_requests=self.num_requests, num_aborted=self.num_aborted,
-            pages_by_kind=dict(engine["pages"]), compressed_kinds=tuple(engine.get("compressed_kinds", ())),
-            is_pressured=self._is_pressured, max_running_priority=engine.get("max_running_priority"),
+            pages_by_kind=dict(pages), compressed_kinds=tuple(cache.compressed_kinds),
+            is_pressured=self._is_pressured, max_running_priority=cache.max_running_priority,
             received=self._received_ids())
 
     def _received_ids(self) -> tuple[str, ...]:

@@ -192,26 +192,30 @@ def test_async_engine_streams_deltas_and_aborts_on_close(opt_tiny):
     engine.start()
 
     async def run():
-        deltas, final = [], None
+        deltas, ids, outs = [], [], []
         async for out in engine.generate("stream this", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)):
             deltas.append(out.outputs[0].delta_text)
-            final = out
-        assert final.finished and "".join(deltas) == final.outputs[0].text
-        assert len(final.outputs[0].token_ids) == 8
+            ids += out.outputs[0].token_ids
+            outs.append(out)
+        final = outs[-1]
+        assert final.finished and final.num_output_tokens == 8 and len(ids) == 8
+        # Deltas: the prompt on the first output only, the metrics on the first and the last.
+        assert outs[0].prompt_token_ids and all(o.prompt_token_ids is None for o in outs[1:])
+        assert outs[0].metrics and final.metrics and all(o.metrics is None for o in outs[1:-1])
         gen = engine.generate("abandoned", SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True))
         async for _ in gen:
             break
         await gen.aclose()  # what a disconnecting client does
         for _ in range(100):
             await asyncio.sleep(0.02)
-            load = engine.load()
-            if load["num_running"] == 0 and load["num_waiting"] == 0:
+            load = engine.cache_stats()
+            if load.num_running == 0 and load.num_waiting == 0:
                 break
-        return engine.load()
+        return engine.cache_stats()
 
     try:
         load = asyncio.run(run())
-        assert load["num_free_pages"] == load["num_pages"]
+        assert load.num_free_pages == load.num_pages
         with pytest.raises(ValueError, match="max_tokens"):
             SamplingParams(max_tokens=-2)
         with pytest.raises(ValueError, match="cache_ratio"):  # the caller gets the error, not the loop

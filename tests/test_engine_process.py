@@ -64,9 +64,9 @@ def test_engine_process_bad_input_abort_metrics_and_timeline(process_engine):
 
     asyncio.run(run())
     deadline = time.monotonic() + 10
-    while engine.load()["num_free_pages"] != engine.load()["num_pages"] and time.monotonic() < deadline:
+    while engine.cache_stats().num_free_pages != engine.cache_stats().num_pages and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert engine.load()["num_free_pages"] == engine.load()["num_pages"]
+    assert engine.cache_stats().num_free_pages == engine.cache_stats().num_pages
     finished = metrics.values.get("apt_serve_requests_total", {})
     assert sum(finished.values()) >= 1  # recorded in the engine process, replayed here
     timeline = engine.memory_timeline()

@@ -94,7 +94,7 @@ def test_async_engine_priority_reaches_the_value_model(opt_tiny):
     async def one(priority: int, max_tokens: int = 2) -> None:
         async for out in engine.generate([5, 6, 7], SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                                          priority=priority, ttft_slo_ms=60_000, tbt_slo_ms=60_000):
-            if len(out.outputs[0].token_ids) == 1:
+            if out.num_output_tokens == 1:
                 order.append(priority)  # its first token
 
     async def run() -> None:

@@ -1,0 +1,91 @@
+"""What one step sends across the engine socket (issue 28): the pickled ``("step", outputs, cache,
+step_s, metric_ops)`` message of ``EngineCore`` at ``--requests`` running requests of
+``--context``-token contexts, with outputs as deltas (``RequestOutputKind.DELTA``, what the async
+engine streams now) against whole outputs (``CUMULATIVE``, what every step carried before: the
+prompt, every output token and every token time of every running request). Both on the same engine,
+one after the other, decode steps only (the prefill steps are run first and not counted).
+
+    .venv/bin/python benchmarks/engine_socket_bytes.py --json docs/benchmarks/engine/socket_bytes.json
+
+Reports bytes per step (mean and largest; requests start decoding a few steps apart, as their
+prefills finish, and end as far apart, so steps near either end carry fewer of them) and the
+time to pickle the message (paid on the step loop) per step. The model's size does not change what
+is sent, so a tiny random checkpoint serves (``--shape``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+import statistics
+import time
+from pathlib import Path
+
+from apt_serve_ray.bench.report import machine_header
+
+
+def measure(engine, kind, requests: int, context: int, decode_steps: int, logprobs: int | None) -> dict:
+    from apt_serve_ray import SamplingParams
+
+    prompt_len = context - decode_steps
+    params = SamplingParams(max_tokens=decode_steps, ignore_eos=True, temperature=0, output_kind=kind,
+                            logprobs=logprobs)
+    for i in range(requests):  # distinct first tokens: no prefix shared between them
+        engine.add_request([5 + i] + [7 + (j % 500) for j in range(prompt_len - 1)], params, f"{kind.value}-{i}")
+    sizes, pickle_s = [], []
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        step = engine.last_step
+        if step is None or step.num_prefill_tokens:
+            continue  # prefill steps (and their first tokens) are not what grows
+        msg = ("step", outputs, step.cache, step.total_s, None)
+        t0 = time.perf_counter()
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        pickle_s.append(time.perf_counter() - t0)
+        sizes.append(len(data))
+    return {"kind": kind.value, "decode_steps": len(sizes), "bytes_per_step_mean": statistics.fmean(sizes),
+            "bytes_max_step": max(sizes),
+            "bytes_total": sum(sizes), "pickle_ms_per_step_mean": 1000 * statistics.fmean(pickle_s)}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="opt-tiny")
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--context", type=int, default=2000, help="prompt + generated tokens of each request")
+    p.add_argument("--decode-steps", type=int, default=32)
+    p.add_argument("--logprobs", type=int, default=None, help="top logprobs per token (None: off)")
+    p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "apt-serve-ray")
+    p.add_argument("--json", type=Path, default=None)
+    a = p.parse_args(argv)
+
+    from apt_serve_ray import EngineConfig, LLMEngine, RequestOutputKind
+    from apt_serve_ray.checkpoints import make_random_checkpoint
+
+    ckpt = make_random_checkpoint(a.cache_dir / a.shape, a.shape)
+    pages = a.requests * (-(-a.context // 16) + 1) + 16
+    engine = LLMEngine(EngineConfig(model=ckpt, dtype="float32", num_pages=pages, max_num_seqs=a.requests,
+                                    max_model_len=a.context + 16, max_num_batched_tokens=4096,
+                                    calibrate_rho=False, swap_space=0, enable_prefix_caching=False))
+    rows = [measure(engine, kind, a.requests, a.context, a.decode_steps, a.logprobs)
+            for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA)]
+    before, after = rows
+    print(f"{a.requests} running requests of {a.context}-token contexts, {before['decode_steps']} decode steps"
+          f" (logprobs: {a.logprobs})")
+    print(f"{'outputs':<12}{'bytes/step':>12}{'largest':>12}{'pickle ms/step':>16}")
+    for r in rows:
+        print(f"{r['kind']:<12}{r['bytes_per_step_mean']:>12,.0f}{r['bytes_max_step']:>12,}"
+              f"{r['pickle_ms_per_step_mean']:>16.3f}")
+    ratio = before["bytes_per_step_mean"] / after["bytes_per_step_mean"]
+    print(f"cumulative / delta: {ratio:.1f}x the bytes, "
+          f"{before['pickle_ms_per_step_mean'] / after['pickle_ms_per_step_mean']:.1f}x the pickling time")
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        out = {**machine_header(shape=a.shape, requests=a.requests, context=a.context, decode_steps=a.decode_steps,
+                                logprobs=a.logprobs, simulated=False), "results": rows, "bytes_ratio": ratio}
+        a.json.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
