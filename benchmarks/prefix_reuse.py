@@ -47,7 +47,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from apt_serve_ray.bench.conversations import ConversationSpec, Session, make_sessions, shared_token_share  # noqa: E402
+from apt_serve_ray.bench.conversations import (ConversationSpec, Session, make_sessions, relabel,  # noqa: E402
+                                             shared_token_share)
 from apt_serve_ray.bench.slo_metrics import RequestTimeline, effective_throughput, p99_gap_ms, passes_slo, ttft_ms  # noqa: E402
 from apt_serve_ray.bench.workloads import Uniform  # noqa: E402
 from apt_serve_ray.cpu_info import cpu_name, has_native_bf16  # noqa: E402
@@ -218,6 +219,8 @@ def run_serve(args, save=None) -> dict:
             for seed in args.seeds:
                 for rate in args.rates:
                     sessions = make_sessions(spec, rate, args.cv, seed)
+                    if not args.same_tokens:  # no help from what the server cached at the rate before
+                        sessions = relabel(sessions, seed * 1_000_003 + round(rate * 1000), spec.vocab_size)
                     records, duration = asyncio.run(run_sessions(sessions, url, told, args.timeout))
                     a = analyze(records, duration)
                     a.update(rate=rate, seed=seed, ideal_hit_rate=shared_token_share(sessions))
@@ -364,6 +367,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vllm-port", type=int, default=8100)
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--idle-s", type=float, default=5.0)
+    p.add_argument("--same-tokens", action="store_true",
+                   help="serve: every rate sends the same token ids (one seed, one set of sessions re-timed), so "
+                        "a rate finds what the rate before it left in the server's cache; by default each rate's "
+                        "sessions are relabelled into tokens of their own (bench.conversations.relabel)")
     p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "apt-serve-ray")
     p.add_argument("--log-dir", default="/tmp")
     p.add_argument("--json", type=Path, default=None)

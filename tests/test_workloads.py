@@ -300,3 +300,20 @@ def test_sessions_share_system_prompts_and_documents_and_fit_the_context():
     assert 0.5 < shared_token_share(sessions) < 1.0
     with pytest.raises(ValueError, match="chat_share"):
         make_sessions(ConversationSpec(chat_share=1.5), 1.0)
+
+
+def test_relabelled_sessions_keep_their_shape_in_tokens_of_their_own():
+    """prefix_reuse.py runs several rates on one server: each rate's sessions in other tokens, so none
+    finds what the rate before it cached, while lengths, timing and sharing stay as generated."""
+    from apt_serve_ray.bench.conversations import ConversationSpec, make_sessions, relabel, shared_token_share
+
+    spec = ConversationSpec(num_sessions=20)
+    base = make_sessions(spec, 0.3, seed=4)
+    one, other = relabel(base, 1, spec.vocab_size), relabel(base, 2, spec.vocab_size)
+    assert shared_token_share(one) == shared_token_share(base) > 0.5
+    for b, s in zip(base, one):
+        assert (b.start_s, b.output_lens, len(b.prefix), [len(m) for m in b.messages]) == \
+               (s.start_s, s.output_lens, len(s.prefix), [len(m) for m in s.messages])
+    pages = lambda sessions: {tuple(s.prefix[:16]) for s in sessions}  # noqa: E731
+    assert not pages(one) & pages(base) and not pages(one) & pages(other)
+    assert relabel(base, 1, spec.vocab_size)[0].prefix == one[0].prefix  # the same key, the same tokens

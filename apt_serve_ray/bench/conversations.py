@@ -19,6 +19,8 @@ each turn's prompt as it goes (``benchmarks/prefix_reuse.py``).
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -70,6 +72,22 @@ class Session:
     @property
     def num_turns(self) -> int:
         return len(self.messages)
+
+
+def relabel(sessions: list[Session], key: int, vocab_size: int) -> list[Session]:
+    """The same sessions in other tokens: every id mapped through one permutation of the ids
+    ``make_sessions`` draws from, chosen by ``key``. Lengths, timing and sharing (within the
+    sessions) are kept; what another key's sessions computed is no help. So several rates run on one
+    server one after another each start from a cache that holds none of their prompts."""
+    perm = np.arange(vocab_size)
+    perm[10:] = 10 + np.random.default_rng(key).permutation(vocab_size - 10)
+    mapped = lambda ids: perm[np.asarray(ids, dtype=np.int64)].tolist()  # noqa: E731
+    prefixes: dict[int, list[int]] = {}  # one list per shared prefix, as make_sessions gives them
+    for s in sessions:
+        if id(s.prefix) not in prefixes:
+            prefixes[id(s.prefix)] = mapped(s.prefix)
+    return [dataclasses.replace(s, prefix=prefixes[id(s.prefix)], messages=[mapped(m) for m in s.messages])
+            for s in sessions]
 
 
 def _ids(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
