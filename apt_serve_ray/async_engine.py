@@ -76,6 +76,7 @@ class AsyncLLMEngine:
             self._tracker = self._transport = self._core = None
             self._cache = self.process.info["cache"]
             self._max_model_len = self.process.info["max_model_len"]
+            self.tokenizer  # noqa: B018 - loaded now: streams detokenise here, and the first must not wait for it
             defs = self.process.info["metric_defs"]
             if metrics_backend is not None and defs:
                 self._metrics_replay = MetricsReplay(metrics_backend, defs)
@@ -132,6 +133,8 @@ class AsyncLLMEngine:
         ``ttft_slo_ms``, ``tbt_slo_ms``, ``trace_context``, ``service_class``)."""
         self.check_health()
         sp = sampling_params if sampling_params is not None else SamplingParams()
+        if not isinstance(sp, SamplingParams):
+            raise ValueError(f"sampling_params: must be a SamplingParams, got {type(sp).__name__}")
         here = sp.detokenize and not sp.stop_strings  # detokenised here, off the step loop
         sp = dataclasses.replace(sp, output_kind=RequestOutputKind.DELTA, detokenize=sp.detokenize and not here)
         detok = IncrementalDetokenizer(self.tokenizer, sp.skip_special_tokens, [], sp.include_stop_str_in_output) \
