@@ -101,8 +101,7 @@ async def send_request(session: aiohttp.ClientSession, url: str, req: TraceReque
             "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
     if args.ignore_eos:
         body["ignore_eos"] = True
-    if args.extra_body:
-        body.update(args.extra_body)
+    body.update(getattr(args, "extra_body", None) or {})
     # What of the request's service level the server is told: its priority (vLLM's field; its FCFS
     # policy refuses a non-zero one) and its SLOs (our extension fields; vLLM ignores them).
     told = getattr(args, "request_fields", ("priority",))
