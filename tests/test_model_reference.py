@@ -51,11 +51,28 @@ NEW_ARCHITECTURES = ["qwen2-tiny", "qwen3-tiny", "qwen3-tiny-gqa", "mistral-tiny
                      "gemma-tiny", "gemma2-tiny", "gemma3-tiny"]
 
 
-@pytest.mark.parametrize("shape", ["opt-tiny", "llama-tiny", "llama-tiny-gqa", *NEW_ARCHITECTURES, "qwen2-tiny-swa"])
+@pytest.mark.parametrize("shape", ["opt-tiny", "llama-tiny", "llama-tiny-gqa", "llama-tiny-untied", *NEW_ARCHITECTURES,
+                                   "qwen2-tiny-swa"])
 def test_random_checkpoints_match_transformers(checkpoint, shape):
     path = checkpoint(shape)
     llm = LLM(path, dtype="float32", num_pages=256, max_num_batched_tokens=128)
     _check_against_hf(llm, _hf(path), num_tokens=24)
+
+
+def test_checkpoints_take_the_tokenizer_from_a_folder_when_told(tmp_path, monkeypatch):
+    # What benchmarks/gpu_check.sh does on a machine without the default model: the same tokenizer,
+    # saved as a folder, makes the same checkpoint.
+    from apt_serve_ray.checkpoints import _tokenizer, make_random_checkpoint
+
+    default = _tokenizer()
+    default.save_pretrained(tmp_path / "tok")
+    monkeypatch.setenv("APT_SERVE_CHECKPOINT_TOKENIZER", str(tmp_path / "tok"))
+    folder = _tokenizer()
+    assert len(folder) == len(default) and folder.eos_token_id == default.eos_token_id
+    assert folder.encode(LONG) == default.encode(LONG)
+    path = make_random_checkpoint(tmp_path / "ckpt", "opt-tiny")
+    out = LLM(path, dtype="float32", num_pages=32).generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4))
+    assert len(out[0].outputs[0].token_ids) == 4
 
 
 @pytest.mark.parametrize("shape", NEW_ARCHITECTURES)
