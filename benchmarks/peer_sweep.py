@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import aiohttp  # noqa: E402
 
 from apt_serve_ray.bench import plots, slo_metrics, workloads  # noqa: E402
+from apt_serve_ray.cpu_info import cpu_name, has_native_bf16  # noqa: E402
 from online_client import first_model, replay  # noqa: E402
 
 DEFAULT_RATES = {"sharegpt": (0.5, 1.0, 1.5, 2.0, 3.0), "longbench": (0.15, 0.3, 0.45, 0.6, 0.9)}
@@ -203,7 +204,9 @@ def main(argv=None) -> int:
         except (OSError, aiohttp.ClientError) as e:
             return f"error: cannot reach {base_url}: {e}"  # type: ignore[return-value]
         previous = report["servers"].get(args.label, {})
+        # The client runs on the servers' machine here (base URL 127.0.0.1): its CPU is theirs.
         result = {"url": base_url, "model": model, "note": args.note, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                  "cpu": cpu_name(), "native_bf16": has_native_bf16(),
                   "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                   "probe": previous.get("probe"), "workloads": {}}
         if args.probe or args.probe_only:
