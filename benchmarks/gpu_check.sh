@@ -49,8 +49,7 @@ dest=${OUT:-out}/gpu_check
 mkdir -p "$dest"
 cache=${APT_GPU_CHECK_CACHE:-/tmp/apt-gpu-check}
 $PYTHON - <<'EOF'
-import importlib, sys, torch
-import os
+import importlib, os, sys, torch
 assert os.environ["CHECK_DEVICE"] == "cpu" or torch.cuda.is_available(), "no CUDA device: this script is for a GPU machine"
 missing = [m for m in ("triton", "transformers", "safetensors", "pytest") if importlib.util.find_spec(m) is None]
 assert not missing, f"missing Python packages: {missing}"

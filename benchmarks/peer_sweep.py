@@ -65,7 +65,7 @@ def sweep(workload: str, url: str, model: str, args) -> dict:
     base = base_trace(workload, args)
     rates = sorted(args.rates or DEFAULT_RATES[workload])
     slos = {"ttft_slo_ms": args.ttft_slo_ms, "tbt_slo_ms": args.tbt_slo_ms}
-    client = argparse.Namespace(ignore_eos=True, extra_body=None, timeout=args.timeout, max_concurrency=None,
+    client = argparse.Namespace(ignore_eos=True, timeout=args.timeout, max_concurrency=None,
                                 disable_tqdm=args.disable_tqdm)
     print(f"\n== {args.label} {workload}: {len(base)} requests, prompt mean "
           f"{statistics.mean(r.prompt_len for r in base):.0f}, output mean "
@@ -102,7 +102,7 @@ def probe(url: str, model: str, args) -> dict:
         trace = workloads.make_random_trace(num, math.inf, args.probe_input_len, args.probe_output_len, 0.1,
                                             seed=args.seed + 1, max_model_len=args.max_model_len)
         trace = workloads.fill_token_ids(trace, args.vocab_size, args.seed + 1)
-        client = argparse.Namespace(ignore_eos=True, extra_body=None, timeout=args.timeout, max_concurrency=concurrency,
+        client = argparse.Namespace(ignore_eos=True, timeout=args.timeout, max_concurrency=concurrency,
                                     disable_tqdm=True)
         timelines, duration = asyncio.run(replay(trace, url, model, client, {}))
         s = slo_metrics.summarize(timelines, duration)
