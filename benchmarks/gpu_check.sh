@@ -12,7 +12,7 @@
 # there: it pins the CPU wheel of torch. Ray Serve is not needed, so the serving path is probed in
 # process (the engine, its scheduler and the Triton kernels; the HTTP path is the same code as on CPU).
 #
-#   1. the CUDA tests (tests/test_kernels.py -m gpu): Triton kernels against their PyTorch references,
+#   1. the CUDA tests (tests/kernels/test_kernels.py -m gpu): Triton kernels against their PyTorch references,
 #      the engine with Triton attention against the PyTorch path, greedy tokens equal;
 #   2. decode steps at 7B and 13B layer shapes (two layers of OPT-6.7B / OPT-13B, random weights, bf16):
 #      KV vs hidden pages, fused vs unfused hidden decode, int8 KV, Triton vs the PyTorch path;
@@ -70,7 +70,7 @@ step() {  # name seconds command...: run with a time limit, keep going on failur
     tail -n 3 "$dest/$name.log"
 }
 : > "$dest/outcomes.txt"
-step pytest_gpu 200 $PYTHON -m pytest -q -ra -m gpu -p no:cacheprovider tests/test_kernels.py
+step pytest_gpu 200 $PYTHON -m pytest -q -ra -m gpu -p no:cacheprovider tests/kernels/test_kernels.py
 configs=("torch kv" "fast kv" "fast hidden unfused" "fast hidden fused" "fast kv-int8")
 step decode_step_13b 110 $PYTHON benchmarks/decode_step.py --device $device --shape $big --dtypes $dtype \
     --batches 1 8 32 --contexts 512 2000 --repeats 5 --configs "${configs[@]}" --cache-dir "$cache" \

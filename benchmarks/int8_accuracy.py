@@ -51,7 +51,7 @@ _DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) 
 SHAPES.setdefault("llama-mha-125m", ("llama", 768, 12, 12, 12, 3072))
 MODELS = {"smollm2": None, "opt-125m": "opt-125m", "llama-mha": "llama-mha-125m"}
 KINDS = (CacheKind.KV, CacheKind.HIDDEN, CacheKind.KV_INT8, CacheKind.HIDDEN_INT8)
-MEASURED = (CacheKind.KV_INT8, CacheKind.HIDDEN_INT8)  # hidden is exact (tests/test_hybrid_cache.py)
+MEASURED = (CacheKind.KV_INT8, CacheKind.HIDDEN_INT8)  # hidden is exact (tests/cache/test_hybrid_cache.py)
 
 PROMPTS = [
     "Explain in two sentences why the sky looks blue during the day.",

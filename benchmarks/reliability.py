@@ -10,7 +10,7 @@ Each scenario deploys its own app (opt-tiny with random weights unless ``--model
 writes ``docs/benchmarks/reliability/<scenario>.json``. Outcomes per request are those of
 ``reliability_load.py`` (completed / cut / rejected / failed / lost / bad_rejection); the promises are
 no ``lost`` and no ``bad_rejection``, every page free afterwards, and the service back to full
-attainment. The fast variants run in CI (tests/test_serve_reliability.py).
+attainment. The fast variants run in CI (tests/serve/test_serve_reliability.py).
 """
 
 from __future__ import annotations

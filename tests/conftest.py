@@ -58,48 +58,38 @@ def smollm2():
     return LLM("smollm2-135m-instruct", dtype="float32", num_pages=400, max_num_batched_tokens=512, policy="sarathi")
 
 
-# Ray --------------------------------------------------------------------------------------------
-def _remove_stale_ray_pointer() -> None:
-    """A ``ray_current_cluster`` file left by a dead cluster makes the next start hang: drop it
-    unless its address still answers."""
-    import socket
-    import tempfile
+# Parallel runs (pytest-xdist, ``scripts/test.sh`` runs two workers) ------------------------------
+def pytest_configure(config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # Two workers on two cores: one compute thread each by default (a test that is about threads
+        # sets its own count, the ``threads`` fixture), instead of four threads fighting for two cores.
+        import torch
 
-    path = os.path.join(os.environ.get("RAY_TMPDIR", tempfile.gettempdir()), "ray", "ray_current_cluster")
-    try:
-        host, _, port = open(path).read().strip().rpartition(":")
-    except OSError:
-        return
-    try:
-        socket.create_connection((host, int(port)), timeout=1).close()
-    except (OSError, ValueError):
-        os.remove(path)
+        torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="session")
-def ray_session():
-    """One local Ray instance for the whole test session (2 CPUs, no dashboard), shut down at the end."""
-    ray = pytest.importorskip("ray")
-    _remove_stale_ray_pointer()
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    from ray import serve
-
-    serve.shutdown()
-    ray.shutdown()
+def _work_unit(nodeid: str) -> str:
+    """The group a test runs in under ``--dist loadgroup``: one worker runs a whole group, in order."""
+    path, _, name = nodeid.partition("::")
+    if path.startswith("tests/serve/"):
+        # Everything on the session's Ray instance (Ray and Serve started once), and the multinode
+        # scenario (a Ray cluster of its own), which so never runs beside the session's instance.
+        return "ray"
+    if "smollm2" in name or "default_model" in name:
+        return "smollm2"  # the real default model, loaded once (the ``smollm2`` fixture)
+    return path  # a module: its module-scoped fixtures built once
 
 
-@pytest.fixture(scope="session")
-def serve_url(ray_session) -> str:
-    """Ray Serve on this session's Ray instance, HTTP on a free local port; returns its base URL."""
-    import socket
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` (``scripts/test.sh``) with groups by ``_work_unit``. (xdist's own loadgroup
+    reads ``xdist_group`` marks into the node id, which pytest 9 no longer lets a plugin rewrite: every
+    test went to whichever worker was free, and two Ray instances ran at once.)"""
+    if getattr(config.option, "dist", "no") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
 
-    from ray import serve
+    class WorkUnits(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _work_unit(nodeid)
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    return f"http://127.0.0.1:{port}"
+    return WorkUnits(config, log)

@@ -128,7 +128,7 @@ def test_effective_throughput_rejects_bad_input():
 
 @pytest.fixture(scope="module")
 def client():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "online_client.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "online_client.py"
     spec = importlib.util.spec_from_file_location("online_client_under_test", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while the module runs

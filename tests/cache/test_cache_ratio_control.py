@@ -45,7 +45,8 @@ def test_apt_takes_no_compressed_pages_at_cache_ratio_zero_even_under_memory_pre
     seen = _PagesByKind(llm)
     outs = llm.generate(_prompts(12), PARAMS)
     assert all(len(o.outputs[0].token_ids) == 48 for o in outs)
-    assert llm.llm_engine.scheduler.num_preemptions > 0 or llm.cache_stats().num_pages < 12 * 10  # real pressure
+    # Real pressure: 12 requests of 60-120 prompt + 48 output tokens need more than the 48 pages.
+    assert llm.llm_engine.scheduler.num_preemptions > 0
     assert seen.max_compressed == 0
 
 

@@ -2,7 +2,7 @@
 
 The engines here run ``sarathi``, which tracks ``cache_ratio`` (new requests hidden while the share is
 under it), so a ratio decides the kinds; ``apt`` (the default) chooses kinds by value under the ratio
-(tests/test_cache_ratio_control.py, tests/test_cache_kinds_policy.py)."""
+(tests/cache/test_cache_ratio_control.py, tests/scheduler/test_cache_kinds_policy.py)."""
 
 from __future__ import annotations
 

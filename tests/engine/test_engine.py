@@ -8,7 +8,6 @@ import random
 import pytest
 
 from apt_serve_ray import LLM, AsyncLLMEngine, EngineConfig, SamplingParams
-from apt_serve_ray.engine import LLMEngine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
@@ -248,4 +247,3 @@ def test_engine_config_is_validated_once():
         EngineConfig(max_num_seqs=0)
     with pytest.raises(ValueError, match="light_watermark"):
         EngineConfig(light_watermark=0.95, heavy_watermark=0.9)
-    assert isinstance(LLMEngine, type)

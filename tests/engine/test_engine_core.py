@@ -62,7 +62,8 @@ def test_streamed_deltas_join_to_the_offline_output(opt_tiny, offline, engine_pr
         assert all(o.prompt_token_ids is None for o in outs[1:])
         assert outs[0].metrics is not None and final.metrics is not None
         assert all(o.metrics is None for o in outs[1:-1])
-        assert final.metrics.token_times == w.metrics.token_times or len(final.metrics.token_times) == 12
+        times = final.metrics.token_times  # one time per token, in order, none before the request arrived
+        assert len(times) == 12 and times == sorted(times) and times[0] >= final.metrics.arrival_time
     assert s_text == whole_stopped.outputs[0].text and not s_text.endswith(stop)
     assert s_ids == whole_stopped.outputs[0].token_ids
     assert s_outs[-1].outputs[0].finish_reason == "stop" and s_outs[-1].outputs[0].stop_reason == stop

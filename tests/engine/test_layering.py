@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-LIBRARY = Path(__file__).resolve().parents[1] / "apt_serve_ray"
+LIBRARY = Path(__file__).resolve().parents[2] / "apt_serve_ray"
 SERVE_AND_BENCH = {"ray", "fastapi", "starlette", "pydantic", "matplotlib", "aiohttp", "tqdm", "deployments"}
 BENCH_ONLY = {"apt_serve_ray/bench/plots.py": {"matplotlib"}}  # benchmark plots: the bench extra
 

@@ -1,4 +1,4 @@
-"""Run by tests/test_kernels.py with TRITON_INTERPRET=1: the engine on the Triton backend (paged KV
+"""Run by tests/kernels/test_kernels.py with TRITON_INTERPRET=1: the engine on the Triton backend (paged KV
 decode + fused hidden decode) gives the same tokens and near-equal logprobs as the PyTorch path."""
 
 import sys

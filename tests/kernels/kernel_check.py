@@ -1,4 +1,4 @@
-"""Run by tests/test_kernels.py in a subprocess with TRITON_INTERPRET=1 set before triton is imported
+"""Run by tests/kernels/test_kernels.py in a subprocess with TRITON_INTERPRET=1 set before triton is imported
 (or on CUDA, with the default device set there): each Triton kernel against its PyTorch reference."""
 
 import sys

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_triton_kernels_match_reference_in_interpreter():
     # TRITON_INTERPRET must be set before @triton.jit runs, so the check runs in a fresh interpreter.
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "kernel_check.py")], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "kernels" / "kernel_check.py")], env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("max err") == 6
@@ -29,7 +29,7 @@ def test_triton_kernels_match_reference_on_cuda():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("TRITON_INTERPRET", None)
     code = ("import torch, runpy; torch.set_default_device('cuda'); "
-            f"runpy.run_path({str(ROOT / 'tests' / 'kernel_check.py')!r}, run_name='__main__')")
+            f"runpy.run_path({str(ROOT / 'tests' / 'kernels' / 'kernel_check.py')!r}, run_name='__main__')")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
@@ -38,7 +38,7 @@ def test_triton_kernels_match_reference_on_cuda():
 def test_engine_with_forced_kernel_matches_torch_path(checkpoint, shape):
     path = checkpoint(shape)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "engine_kernel_check.py"), path], env=env,
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "kernels" / "engine_kernel_check.py"), path], env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "engine kernel path matches" in proc.stdout

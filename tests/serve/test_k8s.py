@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CRD = ROOT.parent / "shared" / "schemas" / "ray.io_rayservices.yaml"
 
 # App arguments that describe the machine, not the application: they may differ between the CPU

@@ -19,7 +19,7 @@ import pytest
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(400)]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_worker_node_lost_under_load(opt_tiny, tmp_path):

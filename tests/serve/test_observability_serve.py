@@ -19,7 +19,7 @@ from serve_helpers import assert_openai_error, load_report, wait_until
 
 APP = "apt-obs"
 PREFIX = "/obs"
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import yaml
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -21,8 +21,10 @@ def default_app(serve_url):
     from deployments.app import build_app
 
     (app,) = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"]
-    # The test session's Ray has 2 CPUs and may still hold other apps' replicas: ask for less.
-    args = {**app["args"], "num_cpus_per_replica": 0.5}
+    # The test session's Ray has 2 CPUs and may still hold other apps' replicas: ask for less; and
+    # one compute thread, since the other test worker keeps a core busy (two OpenMP threads on one
+    # free core waited for each other at every barrier: the start-up took 130 s instead of 30).
+    args = {**app["args"], "num_cpus_per_replica": 0.5, "num_threads": 1}
     serve.run(build_app(args), name="apt-default", route_prefix="/default")
     yield app["args"]["model"], serve_url + "/default"
     serve.delete("apt-default")
