@@ -100,6 +100,7 @@ class Request:
         if sampling_params.max_tokens is not None:
             max_new = min(max_new, sampling_params.max_tokens)
         self.max_output_tokens = max_new
+        self.max_num_tokens = len(self.prompt_token_ids) + max_new  # tokens it holds when it finishes
 
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []

@@ -14,7 +14,9 @@ Gamma arrivals of coefficient of variation ``--cv`` (3: bursty); ``--chat-share`
 64-256 tokens, 32-128 out; TTFT 2 s, P99 gap 0.5 s, priority 0), the rest documents (900-1,500
 prompt tokens, 64-128 out; TTFT 12 s, P99 gap 1 s, priority 10). Every length range and target is a
 flag: vary them (and ``--seed``, ``--cv``) rather than tune to one trace. Outputs are fixed per request
-(ignore EOS); token ids random. One trace per seed, re-timed for each rate (``with_rate``).
+(ignore EOS); token ids random. One trace per seed, re-timed for each rate (``with_rate``) and given token
+ids of its own at every rate and seed (``fresh_token_ids``): a server or engine that ran the rate before
+finds nothing of it cached.
 
 Memory that binds: 378 pages of 16 tokens (6,048 KV tokens) for ours, 189 blocks of 32 for vLLM
 (the same bytes); 512 batched tokens a step; one compute thread each (``--threads``); the same
@@ -24,7 +26,8 @@ bf16, bf16 runs several times slower).
 Engine mode (``engine``): one in-process engine per policy (``bench/driver.replay``, the engine's own
 token times), policies interleaved per rate. ``apt``: the adaptive policy as the app ships it (hidden
 and kv-int8 kinds under a ceiling the engine's own watermarks move, 0.7 / 0.9, up to 0.7; 4 GiB
-tier); ``apt-kv``: the same policy with KV pages only; ``sarathi`` (vLLM v1's chunked prefill, FCFS),
+tier); ``apt-open``: the same as it was before issue 44 (admits whatever memory allows, no
+reservation for the oldest); ``apt-kv``: the same policy with KV pages only; ``sarathi`` (vLLM v1's chunked prefill, FCFS),
 ``fcfs``, ``priority``. Every step is recorded (``driver.step_record``): each miss is explained by
 the steps in the gap it broke (prefill tokens, decode rows, compressions, swaps, upgrades, measured
 vs predicted seconds) or, for a late first token, the steps it waited through. The step-time model's
@@ -74,7 +77,7 @@ from apt_serve_ray.bench.slo_metrics import (  # noqa: E402
     ttft_ms,
 )
 from apt_serve_ray.bench.mixed_trace import TrafficClass, make_mixed_trace  # noqa: E402
-from apt_serve_ray.bench.workloads import ServiceClass, Uniform, WorkloadSpec, fill_token_ids, with_rate  # noqa: E402
+from apt_serve_ray.bench.workloads import ServiceClass, Uniform, WorkloadSpec, fill_token_ids, fresh_token_ids, with_rate  # noqa: E402
 from apt_serve_ray.cpu_info import cpu_name, has_native_bf16  # noqa: E402
 
 _DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "apt-serve-ray"
@@ -213,12 +216,14 @@ def engine_options(name: str, args) -> dict:
     if name == "apt":
         return dict(common, policy="apt", cache_kinds=("hidden", "kv-int8"), enable_watermarks=True,
                     light_watermark=0.7, heavy_watermark=0.9, max_hidden_ratio=0.7, swap_space=4.0)
+    if name == "apt-open":  # apt as it was before issue 44: admits whatever memory allows, no reservation
+        return dict(engine_options("apt", args), policy_options={"admission_share": None, "reserve_after": None})
     if name == "apt-kv":
         return dict(common, policy="apt", cache_ratio=0.0, enable_hybrid_cache=False, swap_space=4.0)
     if name in ("sarathi", "fcfs", "priority"):
         return dict(common, policy=name, cache_ratio=0.0, enable_hybrid_cache=False, calibrate_rho=False,
                     swap_space=0.0)
-    raise SystemExit(f"--policies: unknown {name!r}; valid: apt apt-kv sarathi fcfs priority")
+    raise SystemExit(f"--policies: unknown {name!r}; valid: apt apt-open apt-kv sarathi fcfs priority")
 
 
 def run_engine(args) -> dict:
@@ -240,7 +245,7 @@ def run_engine(args) -> dict:
         base = base_trace(args, seed)
         classes = {r.request_id: r.service_class for r in base}
         for k, rate in enumerate(args.rates):
-            trace = with_rate(base, rate, cv=args.cv, seed=seed)
+            trace = fresh_token_ids(with_rate(base, rate, cv=args.cv, seed=seed), VOCAB, seed, rate)
             order = args.policies[k % len(args.policies):] + args.policies[: k % len(args.policies)]
             for name in order:
                 res = replay(engines[name], trace, progress=not args.quiet, desc=f"{name} {rate}",
@@ -381,7 +386,7 @@ def run_serve(args) -> dict:
                 base = base_trace(args, seed)
                 classes = {r.request_id: r.service_class for r in base}
                 for rate in args.rates:
-                    trace = with_rate(base, rate, cv=args.cv, seed=seed)
+                    trace = fresh_token_ids(with_rate(base, rate, cv=args.cv, seed=seed), VOCAB, seed, rate)
                     origin = []
                     timelines, duration = asyncio.run(http_replay(trace, url, "opt-125m", client, {},
                                                                   on_start=origin.append))

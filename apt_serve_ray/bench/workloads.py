@@ -213,6 +213,15 @@ def fill_token_ids(trace: list[TraceRequest], vocab_size: int, seed: int = 0) ->
     return filled
 
 
+def fresh_token_ids(trace: list[TraceRequest], vocab_size: int, seed: int, rate: float) -> list[TraceRequest]:
+    """The same requests (lengths, timing, classes) with token ids of their own for this ``seed`` and
+    ``rate``: a server that ran another rate or seed before finds none of these prompts in its prefix
+    cache (or a tier below it). Every serving benchmark that runs several rates or seeds on one server
+    sends each through this."""
+    key = int(seed) * 1_000_003 + int(round(float(rate) * 1000))
+    return fill_token_ids([dataclasses.replace(r, prompt_token_ids=None) for r in trace], vocab_size, key)
+
+
 def save_trace(trace: list[TraceRequest], path: str | Path) -> None:
     """JSONL, one request per line; floats are written by repr, so a reload is exact."""
     with open(path, "w", encoding="utf-8") as f:

@@ -25,7 +25,7 @@ from apt_serve_ray.scheduler.value import importance, urgency
 # What is read of every candidate, one float column each (None, no token yet, reads as NaN), then
 # num_tokens. One list per column, not a tuple per request: fewer objects for the garbage collector.
 _FIELDS = tuple(attrgetter(name) for name in ("arrival_time", "last_token_time", "first_token_time", "gap_allowance",
-                                              "ttft_slo_ms", "tbt_slo_ms", "priority"))
+                                              "ttft_slo_ms", "tbt_slo_ms", "priority", "max_num_tokens"))
 _NUM_COLUMNS = len(_FIELDS) + 1
 _TOKENS, _PAGES, _COMPUTED, _KIND, _SLOTS = (attrgetter(name) for name in (
     "all_token_ids", "page_ids", "num_computed_tokens", "kind", "swap_slots"))
@@ -106,6 +106,8 @@ class Candidates:
     # Waiting requests that found a cached prefix: the kind that holds it, as in ``held`` (NO_PAGES:
     # none, or not looked up); their ``num_computed`` is what it holds. None: no waiting request found one.
     hit_kind: np.ndarray | None = None
+    ttft_slo_ms: np.ndarray | None = None
+    max_num_tokens: np.ndarray | None = None  # tokens each holds when it finishes (at most)
 
     @property
     def num(self) -> int:
@@ -158,7 +160,7 @@ class Candidates:
         lay = ctx.cache.layout
         columns = np.concatenate((_read_columns(running), waiting_rows.read(waiting) if waiting_rows is not None
                                   else _read_columns(waiting)), axis=1)
-        arrival, last, first, allowance, ttft_ms, tbt_ms, priority, tokens = columns
+        arrival, last, first, allowance, ttft_ms, tbt_ms, priority, max_tokens, tokens = columns
         num_tokens = tokens.astype(np.int64)
         need = num_tokens + 1
         mem = np.empty((len(KINDS), n), dtype=np.int64)
@@ -230,4 +232,5 @@ class Candidates:
         if with_importance:
             imp = importance(priority)
         return cls(requests, n_run, num_tokens, mem, num_held, held, mem_held, is_decoding, num_computed,
-                   arrival, pending_s, missed, tbt_ms, urg, imp, priority, copy, hit_kind)
+                   arrival, pending_s, missed, tbt_ms, urg, imp, priority, copy, hit_kind, ttft_ms,
+                   max_tokens.astype(np.int64))

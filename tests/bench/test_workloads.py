@@ -317,3 +317,20 @@ def test_relabelled_sessions_keep_their_shape_in_tokens_of_their_own():
     pages = lambda sessions: {tuple(s.prefix[:16]) for s in sessions}  # noqa: E731
     assert not pages(one) & pages(base) and not pages(one) & pages(other)
     assert relabel(base, 1, spec.vocab_size)[0].prefix == one[0].prefix  # the same key, the same tokens
+
+
+def test_fresh_token_ids_keep_the_trace_and_share_no_prompt_across_rates_or_seeds():
+    from apt_serve_ray.bench.workloads import fill_token_ids, fresh_token_ids, make_trace, with_rate
+
+    base = fill_token_ids(make_trace("sharegpt", 30, 1.0, seed=4, max_model_len=2048), 49152, seed=4)
+    a = fresh_token_ids(with_rate(base, 0.5, seed=4), 49152, seed=4, rate=0.5)
+    b = fresh_token_ids(with_rate(base, 1.0, seed=4), 49152, seed=4, rate=1.0)
+    c = fresh_token_ids(with_rate(base, 0.5, seed=5), 49152, seed=5, rate=0.5)
+    assert a == fresh_token_ids(with_rate(base, 0.5, seed=4), 49152, seed=4, rate=0.5)  # reproducible
+    for other in (b, c):
+        assert [len(r.prompt_token_ids) for r in other] == [r.prompt_len for r in base]
+        # No page-sized run of one rate's prompts appears at the start of another's.
+        heads = {tuple(r.prompt_token_ids[:16]) for r in a}
+        assert not heads & {tuple(r.prompt_token_ids[:16]) for r in other}
+    assert [r.arrival_s for r in a] == [r.arrival_s for r in with_rate(base, 0.5, seed=4)]
+    assert [(r.prompt_len, r.output_len) for r in a] == [(r.prompt_len, r.output_len) for r in base]

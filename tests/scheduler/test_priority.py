@@ -23,7 +23,9 @@ def _first_served(a: dict, b: dict, **weights) -> str:
     value model puts first finishes its prefill in the step. Returns "a" or "b"."""
     config = EngineConfig(policy="apt", calibrate_rho=False, enable_watermarks=False, enable_hybrid_cache=False,
                           max_num_batched_tokens=64)
-    sim = SimulatedEngine(config, num_pages=100, policy=AdaptiveScheduler(config=config, **weights))
+    # The value model's weights alone: no reservation for the oldest (it would serve b, whose TTFT is
+    # half gone, whatever the weights).
+    sim = SimulatedEngine(config, num_pages=100, policy=AdaptiveScheduler(config=config, reserve_after=None, **weights))
     first, second = sorted((a, b), key=lambda s: -s["waited"])  # the longer waiting arrives first
     added = {}
     for spec, then in ((first, first["waited"] - second["waited"]), (second, second["waited"])):
@@ -110,12 +112,15 @@ def test_async_engine_priority_reaches_the_value_model(opt_tiny):
     assert order[:2] == [5, 0]  # the important request, submitted last, is served right after the blocker
 
 
-def _sustained_overload(max_wait_time: float | None, batch_priority: int, duration_s: float = 75.0):
+def _sustained_overload(max_wait_time: float | None, batch_priority: int, duration_s: float = 75.0,
+                        reserve_after: float | None = None):
     """Priority-0 requests arriving faster than the engine serves them for ``duration_s`` (8 per step of
     ~64 tokens' capacity: 1.25x), and a priority-``batch_priority`` request at 5 s and at 10 s. Returns
     the batch requests' and the interactive requests' waits (arrival to first scheduled) and the slowest step."""
     config = EngineConfig(policy="apt", calibrate_rho=False, enable_watermarks=False, max_num_batched_tokens=256)
-    options = {} if max_wait_time is None else {"max_wait_time": max_wait_time}
+    options = {"reserve_after": reserve_after}
+    if max_wait_time is not None:
+        options["max_wait_time"] = max_wait_time
     sim = SimulatedEngine(config, num_pages=200, policy=AdaptiveScheduler(config=config, rho=0.0, **options),
                           cost=CostModel(base_s=0.02, per_token_s=0.0002))
     batch_at, batch, interactive = [5.0, 10.0], [], []
@@ -139,6 +144,9 @@ def test_sustained_important_load_pushes_a_batch_request_back_no_longer_than_max
     # Control: without the bound the same load holds them back until it stops.
     starved, _, _ = _sustained_overload(1e9, batch_priority=100)
     assert starved.min() > MAX_WAIT_S
+    # The reservation for the oldest (issue 44) alone: each starts once it has waited half its 30-s TTFT.
+    reserved, _, slowest = _sustained_overload(1e9, batch_priority=100, reserve_after=0.5)
+    assert reserved.max() <= 15.0 + 2 * slowest
 
 
 def _full_pool_then_important(priority_preemption: bool, swap_space: float, important_priority: int = 0):

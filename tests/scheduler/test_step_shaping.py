@@ -220,3 +220,71 @@ def test_steps_that_run_longer_than_predicted_shrink_the_next_ones():
         sim.step()
         # measured, not predicted (within the 2% the estimate still lags the true 1.5x by)
         assert sim.now - before <= 0.8 * 0.5 * 1.02
+
+
+# Admission as a promise (issue 44) -------------------------------------------------------------------
+# Decode rows dear enough (a context term 10x COST's) that a burst of 30 chats cannot all decode within
+# a 0.5-s gap: 0.03 + 30 x (0.0014 + 1e-4 x 264) s = 0.86 s a step.
+BURSTY = CostModel(base_s=0.03, per_token_s=0.0014, per_context_s=1e-4, hidden_context_s=0.0, prefill_pair_s=5e-7)
+
+
+def _burst(**policy_kw):
+    config = EngineConfig(policy="apt", calibrate_rho=False, enable_watermarks=False, max_num_batched_tokens=512,
+                          swap_space=0)
+    policy = AdaptiveScheduler(config=config, rho=0.0, step_model=BURSTY, tbt_headroom=0.8, **policy_kw)
+    sim = SimulatedEngine(config, layout=MHA_LAYOUT, num_pages=800, policy=policy, cost=BURSTY)
+    chats = [sim.add(200, 64, tbt_slo_ms=500, ttft_slo_ms=30_000) for _ in range(30)]
+    live_rows = []
+    while sim.scheduler.num_unfinished:
+        live = [r for r in sim.scheduler.running if r.is_decoding and not r.has_missed_slo(sim.now)]
+        sim.step()
+        live_rows.append((len(live), sim.llm_engine.last_step.predicted_s))
+    return chats, live_rows
+
+
+def _passed(r) -> bool:
+    gaps = np.diff(r.token_times)
+    return r.first_token_time - r.arrival_time < r.ttft_slo_ms / 1000 and np.percentile(gaps, 99) < r.tbt_slo_ms / 1000
+
+
+def test_a_burst_starts_only_what_the_step_can_keep_its_promise_to():
+    chats, steps = _burst()
+    every, _ = _burst(admission_share=None)  # the rule before: start whatever memory allows
+    assert sum(map(_passed, chats)) > sum(map(_passed, every))
+    # While nobody is late, a step with requests to protect stays within their gap.
+    assert all(t <= 0.8 * 0.5 + 1e-9 for n, t in steps if n)
+    started_in_time = [r for r in chats if r.first_token_time - r.arrival_time < 30]
+    assert started_in_time and all(_passed(r) for r in started_in_time)
+
+
+def test_admission_share_is_validated():
+    with pytest.raises(ValueError, match="admission_share"):
+        AdaptiveScheduler(admission_share=0.0)
+    with pytest.raises(ValueError, match="reserve_after"):
+        AdaptiveScheduler(reserve_after=1.0)
+
+
+def _doc_behind_a_stream_of_chats(**policy_kw):
+    """A 1,200-token document (TTFT 12 s) arrives at a pool that a stream of chats keeps busy: the
+    knapsack, which weighs value per page, admits each chat into the pages that free up."""
+    cost = CostModel(base_s=0.02, per_token_s=0.0014, per_context_s=1e-5, hidden_context_s=0.0, prefill_pair_s=5e-7)
+    config = EngineConfig(policy="apt", calibrate_rho=False, enable_watermarks=False, max_num_batched_tokens=512,
+                          swap_space=0)
+    policy = AdaptiveScheduler(config=config, rho=0.0, step_model=cost, tbt_headroom=0.8, **policy_kw)
+    sim = SimulatedEngine(config, layout=MHA_LAYOUT, num_pages=120, policy=policy, cost=cost)
+    for _ in range(6):
+        sim.add(150, 60, tbt_slo_ms=500, ttft_slo_ms=2000)
+    sim.step()
+    doc = sim.add(1200, 16, tbt_slo_ms=1000, ttft_slo_ms=12_000)
+    next_chat = sim.now
+    while sim.now < 30 and doc.first_token_time is None:
+        if sim.now >= next_chat:
+            sim.add(150, 60, tbt_slo_ms=500, ttft_slo_ms=2000)
+            next_chat += 0.35
+        sim.step()
+    return None if doc.first_token_time is None else doc.first_token_time - doc.arrival_time
+
+
+def test_the_oldest_long_request_gets_its_pages_before_its_target_is_lost():
+    assert _doc_behind_a_stream_of_chats(reserve_after=None) is None  # 30 s and still waiting
+    assert _doc_behind_a_stream_of_chats() < 12.0  # reserved at 6 s, started as its pages freed
