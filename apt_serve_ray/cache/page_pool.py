@@ -66,6 +66,7 @@ class PagePool:
         self._by_hash: dict[bytes, int] = {}
         self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced named pages, LRU first
         self._num_cached = dict.fromkeys(CacheKind, 0)  # those by kind
+        self._num_named = dict.fromkeys(CacheKind, 0)  # named pages (referenced or not) by kind
         # "value" retention: per named page the largest weight released with it; per cached page its
         # rank (release order plus its head start), in a heap (stale entries skipped when popped).
         self._weight = [0.0] * num_pages
@@ -96,6 +97,10 @@ class PagePool:
     def num_hashed_pages(self) -> int:
         """Pages findable by ``lookup``, referenced or not."""
         return len(self._by_hash)
+
+    def num_named(self, kind: CacheKind) -> int:
+        """Pages of ``kind`` findable by ``lookup``: none, and no request can find a prefix in it."""
+        return self._num_named[kind]
 
     def num_used(self, kind: CacheKind) -> int:
         return self._num_used[kind]
@@ -200,6 +205,7 @@ class PagePool:
             return False
         self._hash[page] = block_hash
         self._by_hash[block_hash] = page
+        self._num_named[self._kind[page]] += 1
         return True
 
     def lookup(self, block_hashes) -> list[int]:
@@ -233,6 +239,7 @@ class PagePool:
             del self._by_hash[block_hash]
             self._hash[page] = None
             self._weight[page] = 0.0
+            self._num_named[self._kind[page]] -= 1
 
     # Retention ------------------------------------------------------------------------------------
     def worth(self, page: int) -> float:
@@ -289,6 +296,10 @@ class PagePool:
         for block_hash, page in self._by_hash.items():
             if self._hash[page] != block_hash:
                 raise AssertionError(f"page {page} is found under a name it does not have")
+        for kind in CacheKind:
+            named = sum(1 for p in self._by_hash.values() if self._kind[p] is kind)
+            if named != self._num_named[kind]:
+                raise AssertionError(f"{kind.value}: {named} named pages, counted {self._num_named[kind]}")
         for kind in CacheKind:
             counted = sum(1 for p in referenced if self._kind[p] is kind)
             if counted != self._num_used[kind]:

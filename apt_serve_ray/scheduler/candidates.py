@@ -35,7 +35,8 @@ KIND_CODE = {kind: code for code, kind in enumerate(KINDS)}
 NO_PAGES = -1  # ``held`` of a request holding no pages (waiting)
 _HELD_CODE = {**KIND_CODE, None: NO_PAGES}
 _NEVER_FITS = np.iinfo(np.int64).max // 4  # pages of a kind whose page cannot hold one token
-PREFIX_LOOKUPS = 256  # waiting requests (from the queue's head) whose cached prefix is looked up
+PREFIX_LOOKUPS = 256  # at most so many waiting requests (from the queue's head) have their prefix looked up
+PREFIX_LOOKUPS_MIN = 16  # and at least so many, however full the batch
 
 
 def _read_columns(requests: list[Request]) -> np.ndarray:
@@ -207,9 +208,12 @@ class Candidates:
             # What the prefix cache holds of the first waiting requests, in the kind that holds the most
             # of it (KV on ties; each kind caches its own pages): computed already, and pages other
             # requests use cost no free page in that kind. Further back the queue they are charged in
-            # full (the lookup is a Python call per request).
+            # full (the lookup is a Python call per request). Only as far back as the step could
+            # reach: twice the sequences it has left after the running ones (at least a few), at most
+            # PREFIX_LOOKUPS (256 lookups in every kind were most of a decision with 1,600 waiting).
             kinds = [CacheKind.KV, *ctx.compressed_kinds]
-            for i, r in enumerate(waiting[:PREFIX_LOOKUPS]):
+            reach = min(PREFIX_LOOKUPS, max(PREFIX_LOOKUPS_MIN, 2 * (ctx.num_seqs_left - n_run)))
+            for i, r in enumerate(waiting[:reach]):
                 row = n_run + i
                 if copy is not None and copy[row] >= 0:
                     continue

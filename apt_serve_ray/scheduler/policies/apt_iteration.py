@@ -161,7 +161,16 @@ class IterationShaper:
         page = ctx.cache.layout.block_size
         transfer = getattr(getattr(ctx.cache, "swap", None), "transfer", None)
         hidden_code = KIND_CODE[CacheKind.HIDDEN]
+        # No chunk costs less than one token at a prompt's start (where the model grows with context
+        # and the hidden kind: a fitted model with a negative term keeps the search over every row).
+        cheapest_s = self._chunk_s(0, 1, False)
+        if not cheapest_s <= min(self._chunk_s(1 << 16, 1, False), self._chunk_s(0, 1, True)):
+            cheapest_s = -math.inf
         for i in rows:
+            if ctx.num_seqs_left <= 0 or ctx.token_budget <= 0:
+                break  # nothing more can run this step (the plan may hold hundreds of waiting rows)
+            if (progressed or not floor) and budget.left_s < cheapest_s:
+                break  # no chunk fits what is left of the step
             r = c.requests[i]
             if r.is_finished or ctx.is_scheduled(r):
                 continue
