@@ -44,6 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
+from apt_serve_ray.bench.report import machine_header
 from apt_serve_ray.bench.simulator import SimulatedEngine
 from apt_serve_ray.config import EngineConfig
 from apt_serve_ray.scheduler.costs import StepCosts
@@ -225,6 +226,7 @@ def main() -> None:
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
+            **machine_header(simulated=True, note="the real scheduler, pool and policy on the simulator's engine"),
             "what": {
                 "score_greedy_ms": "median ms of ValueWeights.value + urgency + greedy_select on numpy arrays",
                 "full_decision_ms": "median ms of all of Scheduler.schedule() with apt (schedule_time_s) over "
