@@ -51,6 +51,18 @@ admissible waiting ones), in four stages:
    iterations by summed pending time; with chunked prefill both share every step, decodes first.
    What this changed on that traffic, per step and per request: docs/benchmarks.md (issue 26).
 
+**Admission as a promise** (issue 44; ``_admit_within_promise``, ``_reserved``). Stage 4 bounds each step,
+but the greedy still started every waiting request memory allowed: under a burst the decode rows alone
+then outgrew the tightest gap (a burstier variant of issue 26's traffic, 2 req/s: 23 of 29 chats broke
+their 0.5 s gap, none was late). So a chosen waiting request keeps its place only while the predicted
+decode step with it, and with every running request, each at the context it will hold when it finishes
+(at most ``PROMISE_LOOKAHEAD`` tokens ahead), stays within ``admission_share`` of the step's target;
+those that can still pass are admitted before the late ones, the rest wait (a request kept waiting
+still has its TTFT; one started and then stalled has lost). And since the greedy weighs value per page,
+short requests were admitted ahead of a long, older one until its TTFT was lost (documents behind
+chats): the oldest waiting request that can still pass and has used ``reserve_after`` of its TTFT
+target has its pages taken out of what the greedy shares, and leads the admissions; one at a time.
+
 **Priority overtakes** (``priority_preemption``, issue 16). Pinning alone kept an important request
 that arrived to a full pool waiting behind unimportant running ones until they finished (interactive
 class, 30% of a ShareGPT-like mix at 1.5x capacity: longest wait 64 s). So a waiting request that
