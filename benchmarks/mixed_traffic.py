@@ -27,7 +27,7 @@ Engine mode (``engine``): one in-process engine per policy (``bench/driver.repla
 token times), policies interleaved per rate. ``apt``: the adaptive policy as the app ships it (hidden
 and kv-int8 kinds under a ceiling the engine's own watermarks move, 0.7 / 0.9, up to 0.7; 4 GiB
 tier); ``apt-open``: the same as it was before issue 44 (admits whatever memory allows, no
-reservation for the oldest); ``apt-kv``: the same policy with KV pages only; ``sarathi`` (vLLM v1's chunked prefill, FCFS),
+reservation for the oldest); ``apt-notier``: apt without its tier (``swap_space`` 0); ``apt-kv``: the same policy with KV pages only; ``sarathi`` (vLLM v1's chunked prefill, FCFS),
 ``fcfs``, ``priority``. Every step is recorded (``driver.step_record``): each miss is explained by
 the steps in the gap it broke (prefill tokens, decode rows, compressions, swaps, upgrades, measured
 vs predicted seconds) or, for a late first token, the steps it waited through. The step-time model's
@@ -156,21 +156,27 @@ def explain(t: RequestTimeline, steps: list[dict], start_s: float) -> dict | Non
 
 def analyze(timelines: list[RequestTimeline], classes: dict[str, str], duration_s: float,
             steps: list[dict] | None = None, start_s: float = 0.0) -> dict:
-    """Attainment, goodput and misses, over all requests and per class (``classes``: id -> class)."""
-    out = {"all": _group(timelines, duration_s)}
+    """Attainment, goodput and misses, over all requests and per class (``classes``: id -> class).
+    ``goodput``: requests that passed per second of the run; ``goodput_arrivals``: per second of the
+    arrival window (first to last arrival), the same for every server on one trace, so that a server
+    that drains its backlog sooner does not look better for it."""
+    arrivals = [t.arrival_s for t in timelines]
+    window = max(arrivals) - min(arrivals) if len(arrivals) > 1 else duration_s
+    out = {"all": _group(timelines, duration_s, window)}
     for name in sorted(set(classes.values())):
-        out[name] = _group([t for t in timelines if classes[t.request_id] == name], duration_s)
+        out[name] = _group([t for t in timelines if classes[t.request_id] == name], duration_s, window)
     out["summary"] = summarize(timelines, duration_s)
     out["requests"] = [_request(t, classes[t.request_id], steps, start_s) for t in timelines]
     return out
 
 
-def _group(timelines: list[RequestTimeline], duration_s: float) -> dict:
+def _group(timelines: list[RequestTimeline], duration_s: float, window_s: float) -> dict:
     causes = [classify(t) for t in timelines]
     longest = [_longest_gap(t)[0] for t in timelines if t.is_finished and len(t.token_times_s) > 1]
     return {
         "num": len(timelines), "attainment": sum(map(passes_slo, timelines)) / max(1, len(timelines)),
         "goodput": sum(map(passes_slo, timelines)) / duration_s,
+        "goodput_arrivals": sum(map(passes_slo, timelines)) / max(window_s, 1e-9),
         "ttft_misses": sum("ttft" in c for c in causes), "gap_misses": sum("gap" in c for c in causes),
         "unfinished": causes.count("unfinished"),
         "median_longest_gap_ms": float(np.median(longest)) if longest else 0.0,
@@ -218,12 +224,14 @@ def engine_options(name: str, args) -> dict:
                     light_watermark=0.7, heavy_watermark=0.9, max_hidden_ratio=0.7, swap_space=4.0)
     if name == "apt-open":  # apt as it was before issue 44: admits whatever memory allows, no reservation
         return dict(engine_options("apt", args), policy_options={"admission_share": None, "reserve_after": None})
+    if name == "apt-notier":  # apt without the tier below memory: preempted requests are recomputed
+        return dict(engine_options("apt", args), swap_space=0.0)
     if name == "apt-kv":
         return dict(common, policy="apt", cache_ratio=0.0, enable_hybrid_cache=False, swap_space=4.0)
     if name in ("sarathi", "fcfs", "priority"):
         return dict(common, policy=name, cache_ratio=0.0, enable_hybrid_cache=False, calibrate_rho=False,
                     swap_space=0.0)
-    raise SystemExit(f"--policies: unknown {name!r}; valid: apt apt-open apt-kv sarathi fcfs priority")
+    raise SystemExit(f"--policies: unknown {name!r}; valid: apt apt-open apt-notier apt-kv sarathi fcfs priority")
 
 
 def run_engine(args) -> dict:
