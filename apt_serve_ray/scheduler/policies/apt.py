@@ -279,6 +279,11 @@ class AdaptiveScheduler(KindChanger, IterationShaper, SchedulingPolicy):
         kind = np.where(first, np.maximum(current, 0), SKIP)
         chosen[rest] = choice.option >= 0
         kind[rest] = np.where(chosen[rest], np.asarray(kinds)[np.maximum(choice.option, 0)], SKIP)
+        if reserved >= 0 and capacity < 0:
+            # Its pages are not free yet: it waits for them (a chunk started in the pages there are
+            # would take the running requests' growth and preempt them), and nobody takes them first.
+            chosen[reserved], kind[reserved] = False, SKIP
+            reserved = -1
         density = self.weights.density(value, c.mem_kv)
         forced_idx = np.flatnonzero(forced)
         forced_idx = forced_idx[np.argsort(c.arrival[forced_idx], kind="stable")]
