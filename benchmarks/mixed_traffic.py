@@ -274,6 +274,9 @@ def run_engine(args) -> dict:
 def server_command(name: str, args, ckpt: str, port: int) -> tuple[list[str], dict, tuple[str, ...]]:
     """(command, environment, request fields told) of one server."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0", TOKENIZERS_PARALLELISM="false")
+    if name == "ours-open":  # ours with apt's admission as before issue 44 (no promise, no reservation)
+        cmd, env, told = server_command("ours", args, ckpt, port)
+        return cmd + ['policy_options={"admission_share": null, "reserve_after": null}'], env, told
     if name in ("ours", "ours-kv"):
         # serve_config.yaml's scheduling, watermarks, kinds and tier; the checkpoint and sizes of the run.
         kinds = "[hidden,kv-int8]" if name == "ours" else "[]"
@@ -300,7 +303,7 @@ def server_command(name: str, args, ckpt: str, port: int) -> tuple[list[str], di
         if name == "vllm-priority":
             cmd += ["--scheduling-policy", "priority"]
         return cmd + args.vllm_args, env, (("priority",) if name == "vllm-priority" else ())
-    raise SystemExit(f"--servers: unknown {name!r}; valid: ours ours-kv vllm vllm-priority")
+    raise SystemExit(f"--servers: unknown {name!r}; valid: ours ours-open ours-kv vllm vllm-priority")
 
 
 def _up(port: int) -> bool:

@@ -10,6 +10,7 @@ controller's, which applies them cluster-wide.
 from __future__ import annotations
 
 import dataclasses
+import json
 import typing
 from typing import Annotated, Any, Literal, Optional
 
@@ -166,11 +167,26 @@ def _comma_list(value):
     return value
 
 
+def _json_dict(value):
+    """``serve run app key='{"a": 1}'`` passes strings: a dict field also takes one as JSON."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"not a JSON object: {exc}") from None
+    return value
+
+
 def _argument_type(hint):
-    """An EngineConfig field's type as an app argument (optional; list fields also from "a,b")."""
+    """An EngineConfig field's type as an app argument (optional; list fields also from "a,b", dict
+    fields also from a JSON string)."""
     args = typing.get_args(hint)
     is_tuple = typing.get_origin(hint) is tuple or any(typing.get_origin(a) is tuple for a in args)
-    return Annotated[Optional[hint], BeforeValidator(_comma_list)] if is_tuple else Optional[hint]
+    if is_tuple:
+        return Annotated[Optional[hint], BeforeValidator(_comma_list)]
+    if hint is dict or typing.get_origin(hint) is dict or any(a is dict or typing.get_origin(a) is dict for a in args):
+        return Annotated[Optional[hint], BeforeValidator(_json_dict)]
+    return Optional[hint]
 
 
 def _engine_arguments() -> dict[str, tuple]:

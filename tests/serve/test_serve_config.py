@@ -129,3 +129,15 @@ def test_list_arguments_also_take_the_comma_separated_strings_serve_run_passes()
     assert AppArgs.model_validate({"cache_kinds": ["kv-int8"]}).engine_config().cache_kinds == ("kv-int8",)
     with pytest.raises(ValueError, match="cache_kinds"):
         AppArgs.model_validate({"cache_kinds": "fp8"}).engine_config()
+
+
+def test_a_dict_argument_also_comes_as_json_from_serve_run():
+    from pydantic import ValidationError
+
+    from deployments.app import AppArgs
+
+    # `serve run deployments.app:build_app policy_options='{"admission_share": null}'` passes a string.
+    args = AppArgs.model_validate({"policy_options": '{"admission_share": null, "tbt_headroom": 0.7}'})
+    assert args.policy_options == {"admission_share": None, "tbt_headroom": 0.7}
+    with pytest.raises(ValidationError, match="policy_options"):
+        AppArgs.model_validate({"policy_options": "{admission_share"})
