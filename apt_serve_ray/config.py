@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from apt_serve_ray.model_loader import DEFAULT_MODEL
 from apt_serve_ray.scheduler.watermarks import HEAVY_WATERMARK, HIDDEN_RATIO_STEP, LIGHT_WATERMARK, MAX_HIDDEN_RATIO
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -21,7 +22,7 @@ class EngineConfig:
     CPU and 80% of the free accelerator memory after loading weights on CUDA.
     """
 
-    model: str = "smollm2-135m-instruct"
+    model: str = DEFAULT_MODEL
     tokenizer: str | None = None
     dtype: str = "auto"
     device: str = "auto"

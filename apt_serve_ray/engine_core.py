@@ -27,13 +27,15 @@ import traceback
 from collections import deque
 from typing import Callable, Iterable
 
+from apt_serve_ray.scheduler.watermarks import HEAVY_WATERMARK, LIGHT_WATERMARK
+
 logger = logging.getLogger("apt_serve_ray")
 
 
 def timeline_of(tracker) -> dict:
     """The memory timeline a ``CacheTracker`` recorded (empty series without one)."""
     if tracker is None:
-        return {"series": {}, "crossings": [], "light_watermark": 0.7, "heavy_watermark": 0.9}
+        return {"series": {}, "crossings": [], "light_watermark": LIGHT_WATERMARK, "heavy_watermark": HEAVY_WATERMARK}
     return tracker.timeline()
 
 

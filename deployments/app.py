@@ -39,8 +39,8 @@ def _admission_weights(value):
 
 
 def policy_kwargs(args: _AppArgs, config: EngineConfig) -> dict:
-    """The engine policy's keyword arguments as every replica gets them: ``policy_weights`` over
-    ``policy_options`` (``EngineReplica`` merges them the same way)."""
+    """The engine policy's keyword arguments as every replica gets them (in its ``EngineConfig``):
+    ``policy_weights`` over ``policy_options``."""
     return {**(config.policy_options or {}), **args.policy_weights}
 
 
@@ -208,6 +208,9 @@ def build_app(args: AppArgs | dict) -> Application:
     config = args.engine_config()
     if args.policy_weights:
         make_policy(config.policy, config, **args.policy_weights)  # fail here, not in every replica
+    # The policy's options merged once, here: every replica gets them in its EngineConfig, and the
+    # router reads the same ones (``policy_kwargs``).
+    engine_config = config.replace(policy_options=policy_kwargs(args, config) or None)
     pin = args.pin_cpus and config.num_threads is not None
     engine_cpus = {"num_engine_replicas": args.num_replicas, "num_threads": config.num_threads} if pin else None
     controller = Controller.options(ray_actor_options={"num_cpus": 0}).bind(
@@ -226,7 +229,7 @@ def build_app(args: AppArgs | dict) -> Application:
                                    "default_tokens_per_page": config.block_size},
             request_routing_stats_period_s=args.routing_stats_period_s,
             request_routing_stats_timeout_s=max(args.routing_stats_period_s, 5.0)),
-    ).bind(config, controller, args.policy_weights, args.control_interval_s, {
+    ).bind(engine_config, controller, None, args.control_interval_s, {
         "model_name": args.served_model_name or args.model, "tracing_exporter": args.tracing_exporter,
         "mirror_metrics": args.mirror_metrics}, pin, stream_interval_s=args.stream_interval_s,
         stream_items_per_s=args.stream_items_per_s or None)
