@@ -493,6 +493,30 @@ def report(path: Path, baseline: str | None) -> str:
                          f"{dc['attainment']:.1%} | {al['goodput']:.3f}{ratio} | {ch['ttft_misses']}/{ch['num']} / "
                          f"{dc['ttft_misses']}/{dc['num']} | {ch['gap_misses']} / {dc['gap_misses']} | "
                          f"{ch['median_longest_gap_ms'] / 1000:.2f} / {dc['median_longest_gap_ms'] / 1000:.2f} |")
+    # Over seeds: each class's attainment, mean and range, and goodput over the arrival window against
+    # the baseline's on the same seed (the ratio's mean and range).
+    seeds = sorted({seed for seed, _ in rows})
+    if len(seeds) > 1:
+        lines += ["", f"Over seeds {', '.join(map(str, seeds))}: attainment mean (min-max), goodput over the arrival "
+                  f"window as a ratio to {baseline or 'the baseline'} on the same seed, mean (min-max)", "",
+                  "| rate | server | all | chat | documents | goodput ratio |", "|---|---|---|---|---|---|"]
+        spread = lambda v: f"{np.mean(v):.1%} ({min(v):.0%}-{max(v):.0%})"  # noqa: E731
+        for rate in sorted({r for _, r in rows}):
+            for name in names:
+                runs_at = [rows[(seed, rate)][name] for seed in seeds if name in rows.get((seed, rate), {})]
+                if not runs_at:
+                    continue
+                cells = [spread([a[g]["attainment"] for a in runs_at]) for g in ("all", "chat", "document")]
+                ratios = []
+                for seed in seeds:
+                    by = rows.get((seed, rate), {})
+                    if name in by and base in by and name != base:
+                        key = "goodput_arrivals" if "goodput_arrivals" in by[base]["all"] else "goodput"
+                        ref = by[base]["all"][key]
+                        if ref > 0:
+                            ratios.append(by[name]["all"][key] / ref)
+                ratio = f"{np.mean(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})" if ratios else "-"
+                lines.append(f"| {rate:g} | {name.split(':', 1)[1]} | " + " | ".join(cells) + f" | {ratio} |")
     lines += ["", "| server | effective throughput at 90% / 60%: all | chat | documents (req/s) |", "|---|---|"]
     for name in names:
         e = runs[name]["effective_throughput"]

@@ -17,6 +17,11 @@ from apt_serve_ray.scheduler.costs import rows_features
 from apt_serve_ray.scheduler.policies.base import run_running
 
 
+# The prefill loop stops where nothing more can run (False: it sizes a chunk for every row, as it did
+# before issue 44; the same decisions, tests/scheduler/test_step_shaping.py holds the two together).
+EARLY_STOP = True
+
+
 @dataclass
 class Plan:
     """What ``_choose`` decided, per candidate row."""
@@ -167,9 +172,9 @@ class IterationShaper:
         if not cheapest_s <= min(self._chunk_s(1 << 16, 1, False), self._chunk_s(0, 1, True)):
             cheapest_s = -math.inf
         for i in rows:
-            if ctx.num_seqs_left <= 0 or ctx.token_budget <= 0:
+            if EARLY_STOP and (ctx.num_seqs_left <= 0 or ctx.token_budget <= 0):
                 break  # nothing more can run this step (the plan may hold hundreds of waiting rows)
-            if (progressed or not floor) and budget.left_s < cheapest_s:
+            if EARLY_STOP and (progressed or not floor) and budget.left_s < cheapest_s:
                 break  # no chunk fits what is left of the step
             r = c.requests[i]
             if r.is_finished or ctx.is_scheduled(r):
