@@ -606,7 +606,7 @@ def main(argv=None) -> None:
             args.out_dir.mkdir(parents=True, exist_ok=True)
             print("plots:", *plot({k.split(":", 1)[1]: v["results"] for k, v in runs.items()}, args.out_dir, args.tag))
         return
-    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    started, code = time.strftime("%Y-%m-%d %H:%M:%S"), git_state()  # the code that runs: at the start
     out = run_engine(args) if args.mode == "engine" else run_serve(args)
     eff = effective(out["results"])
     print("\neffective throughput (req/s) at 90% / 60% attainment: all | chat | documents")
@@ -617,7 +617,7 @@ def main(argv=None) -> None:
         doc.setdefault("runs", {})
         for name, runs in out["results"].items():
             doc["runs"][f"{args.mode}:{name}"] = {
-                "results": runs, "effective_throughput": eff[name], "started": started, "git": git_state(),
+                "results": runs, "effective_throughput": eff[name], "started": started, "git": code,
                 "machine": machine(), "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
                 "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                 "calibration": out.get("calibration", {}).get(name),
