@@ -330,10 +330,11 @@ def test_randomised_arrivals_aborts_preemptions_swaps_and_compressions_keep_the_
     engine.check_integrity()
     pool, sched = engine.cache.pool, engine.scheduler
     assert pool.num_used_pages == 0 and pool.num_free_pages == pool.num_pages
-    # Measured at this seed: 38% of tokens found (1,730 of them brought back from the tier), 96
-    # preemptions (58 into the tier), 436 compressions, 399 requests with a prefix segment.
+    # Measured at this seed: 37% of tokens found, 46 preemptions (25 into the tier), 718 compressions,
+    # 749 requests with a prefix segment (before issue 44's admission promise: 96 preemptions, 58 into
+    # the tier, 436 compressions: it starts fewer requests than will fit their steps).
     assert engine.cache.prefix_stats.hit_rate() > 0.1 and sum(engine.cache.prefix_stats.tier_hits.values()) > 0
-    assert sched.num_preemptions > 50 and sched.num_swap_outs > 20
+    assert sched.num_preemptions > 30 and sched.num_swap_outs > 15
     assert sum(r.num_compressions for r in sim.finished) > 50 and len(segmented) > 50
     assert all(r.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED) for r in sim.finished)
 
