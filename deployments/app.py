@@ -180,11 +180,10 @@ def _json_dict(value):
 def _argument_type(hint):
     """An EngineConfig field's type as an app argument (optional; list fields also from "a,b", dict
     fields also from a JSON string)."""
-    args = typing.get_args(hint)
-    is_tuple = typing.get_origin(hint) is tuple or any(typing.get_origin(a) is tuple for a in args)
-    if is_tuple:
+    origins = {typing.get_origin(hint) or hint, *(typing.get_origin(a) or a for a in typing.get_args(hint))}
+    if tuple in origins:
         return Annotated[Optional[hint], BeforeValidator(_comma_list)]
-    if hint is dict or typing.get_origin(hint) is dict or any(a is dict or typing.get_origin(a) is dict for a in args):
+    if dict in origins:
         return Annotated[Optional[hint], BeforeValidator(_json_dict)]
     return Optional[hint]
 

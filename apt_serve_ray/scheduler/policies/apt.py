@@ -51,7 +51,7 @@ admissible waiting ones), in four stages:
    iterations by summed pending time; with chunked prefill both share every step, decodes first.
    What this changed on that traffic, per step and per request: docs/benchmarks.md (issue 26).
 
-**Admission as a promise** (issue 44; ``_admit_within_promise``, ``_reserved``). Stage 4 bounds each step,
+**Admission as a promise** (issue 44; ``apt_admission.py``). Stage 4 bounds each step,
 but the greedy still started every waiting request memory allowed: under a burst the decode rows alone
 then outgrew the tightest gap (a burstier variant of issue 26's traffic, 2 req/s: 23 of 29 chats broke
 their 0.5 s gap, none was late). So a chosen waiting request keeps its place only while the predicted
@@ -96,6 +96,7 @@ from apt_serve_ray.cache.cache_manager import can_convert
 from apt_serve_ray.scheduler.candidates import KIND_CODE, KINDS, NO_PAGES, Candidates, WaitingRows
 from apt_serve_ray.scheduler.costs import StepCosts, recompute_seconds
 from apt_serve_ray.scheduler.knapsack import SKIP, greedy_choice
+from apt_serve_ray.scheduler.policies.apt_admission import admit_within_promise, int8_seconds, reserved_row
 from apt_serve_ray.scheduler.policies.apt_iteration import IterationShaper, Plan
 from apt_serve_ray.scheduler.policies.apt_kinds import KindChanger
 from apt_serve_ray.scheduler.policies.base import SchedulingPolicy
@@ -103,7 +104,6 @@ from apt_serve_ray.scheduler.registry import register_policy
 from apt_serve_ray.scheduler.value import FAIRNESS_PENALTY, MAX_WAIT_S, ValueWeights
 
 
-PROMISE_LOOKAHEAD = 512  # tokens of a request's growth the admission promise looks ahead (above)
 _COMPRESSED = np.array([k.is_compressed for k in KINDS])
 # [copy's kind, kind] -> whether a copy in the tier comes back in that kind without a recompute.
 _COMES_BACK_AS = np.array([[can_convert(a, b) for b in KINDS] for a in KINDS])
@@ -234,7 +234,7 @@ class AdaptiveScheduler(KindChanger, IterationShaper, SchedulingPolicy):
         pinned = np.zeros(n, dtype=bool)
         pinned[:n_run] = ~forced[:n_run] & (~c.missed[:n_run] if self.evict_missed else True)
         # Memory the pinned and forced take first, in their current kind (KV for new forced ones).
-        reserved = self._reserved(c, forced, pinned)
+        reserved = reserved_row(c, forced, self.reserve_after)
         first = forced | pinned
         if reserved >= 0:
             first[reserved] = True
@@ -298,79 +298,10 @@ class AdaptiveScheduler(KindChanger, IterationShaper, SchedulingPolicy):
         if self.priority_preemption and n > n_run and c.priority is not None:
             self._preempt_for_priority(c, plan)
         if self.admission_share is not None and self.step_model is not None and n > n_run:
-            self._admit_within_promise(c, plan, reserved)
+            admit_within_promise(c, plan, reserved, step_model=self.step_model, per_page=self._per_page,
+                                 admission_share=self.admission_share,
+                                 target_scale=self.tbt_headroom / self.slowdown / 1000.0)
         return plan
-
-    def _reserved(self, c: Candidates, forced: np.ndarray, pinned: np.ndarray) -> int:
-        """The row whose pages are reserved this decision (-1: none): the oldest waiting request that can
-        still pass and has waited ``reserve_after`` of its TTFT target. The knapsack prefers pages'
-        worth of value, so short requests were admitted ahead of a long, older one until its target
-        was lost (documents behind a stream of chats: 5 of 11 missed their 12 s TTFT, issue 44); its
-        pages are taken out of what the knapsack shares, so it starts as soon as they are free, and
-        the others take what is left. One at a time, so a burst of long requests cannot take every
-        short one's turn."""
-        if self.reserve_after is None or c.ttft_slo_ms is None:
-            return -1
-        n_run = c.num_running
-        if n_run == c.num:
-            return -1
-        waiting = np.arange(n_run, c.num)
-        waited = c.pending_s[n_run:] >= self.reserve_after * c.ttft_slo_ms[n_run:] / 1000.0
-        ok = waited & ~c.missed[n_run:] & ~forced[n_run:]
-        if not ok.any():
-            return -1
-        rows = waiting[ok]
-        return int(rows[np.argmin(c.arrival[rows])])
-
-    def _admit_within_promise(self, c: Candidates, plan: Plan, reserved: int) -> None:
-        """Keep the chosen waiting requests that the step's promise can afford (issue 44): in the plan's
-        order, those that can still pass first, then the best-effort ones (already late), the longest
-        run of them with which the predicted decode step (every chosen running request and every
-        admitted one a decode row over its context) stays within ``admission_share`` x ``tbt_headroom``
-        x the tightest TBT target among the rows that can still pass (divided by the measured
-        slowdown); the rest wait. Under a burst the old rule started everyone memory allowed and then
-        broke their gaps (at 2 req/s, 23 of 29 chats over their 0.5 s gap, none late): a request kept
-        waiting still has its TTFT, one started and then stalled has lost. The protected and the
-        reserved are not held back (they count as rows); with nothing running, the first one starts
-        whatever it costs."""
-        n_run, order, kind = c.num_running, plan.order, plan.kind
-        new = order[order >= n_run]
-        new = new[~plan.forced[new]]  # the reserved one leads (the plan's order): first to start
-        if not new.size:
-            return
-        rows = np.concatenate((np.flatnonzero(plan.chosen[:n_run]), order[(order >= n_run) & ~np.isin(order, new)]))
-        # Each row's context as it will be: what it holds when it finishes (looking ahead at most
-        # PROMISE_LOOKAHEAD tokens: a request without max_tokens may stop long before the model's limit).
-        need, tbt = c.need, c.tbt_slo_ms
-        if c.max_num_tokens is not None:
-            need = np.minimum(np.maximum(c.max_num_tokens, need), need + PROMISE_LOOKAHEAD)
-        row_kind = np.where(rows < n_run, c.held[rows], kind[rows]) if rows.size else rows
-        live = rows[~c.missed[rows]]
-        tight = float(tbt[live].min()) if live.size else np.inf
-        base_ctx = int(need[rows].sum())
-        base_hidden = int(need[rows][row_kind == 1].sum()) if rows.size else 0
-        base_extra = float((self._per_page[row_kind[row_kind > 1]] * c.mem_kv[rows][row_kind > 1]).sum()) if rows.size else 0.0
-        late = c.missed[new] & (new != reserved)
-        new = np.concatenate((new[~late], new[late]))  # those that can still pass first
-        k = kind[new]
-        n_rows = rows.size + np.arange(1, new.size + 1)
-        ctx = base_ctx + np.cumsum(need[new])
-        hidden = base_hidden + np.cumsum(np.where(k == 1, need[new], 0))
-        extra = base_extra + np.cumsum(np.where(k > 1, self._per_page[np.maximum(k, 0)] * c.mem_kv[new], 0.0))
-        predicted = np.asarray(self.step_model.predict(n_rows, ctx, hidden), dtype=np.float64) + extra
-        limit = np.minimum.accumulate(np.where(c.missed[new], tight, np.minimum(tight, tbt[new])))
-        target = self.admission_share * self.tbt_headroom * limit / 1000.0 / self.slowdown
-        over = np.flatnonzero(predicted > target)
-        if not over.size:
-            return
-        cut = int(over[0]) if rows.size or over[0] > 0 else 1  # nothing running: the first starts anyway
-        dropped = new[cut:]
-        if not dropped.size:
-            return
-        plan.spare += int(c.mem[np.maximum(kind[dropped], 0), dropped].sum())
-        plan.chosen[dropped] = False
-        kind[dropped] = SKIP
-        plan.order = order[plan.chosen[order]]
 
     def _price_recompute(self, c: Candidates, rest: np.ndarray, kinds: list[int], values: np.ndarray,
                          allowed: np.ndarray) -> None:
@@ -469,9 +400,7 @@ class AdaptiveScheduler(KindChanger, IterationShaper, SchedulingPolicy):
     def _held_extra_s(self, c: Candidates, rows) -> float:
         """Predicted extra seconds of a decode step from ``rows`` holding int8 kinds (the hidden kind's
         recompute is in the step-time model's own hidden term)."""
-        held = c.held[rows]
-        int8 = held > 1
-        return float((self._per_page[held[int8]] * c.mem_kv[rows][int8]).sum()) if int8.any() else 0.0
+        return float(int8_seconds(self._per_page, c.held[rows], c.mem_kv[rows]).sum())
 
     def _cap_compressed(self, c: Candidates, plan: Plan) -> None:
         """Admit a waiting request in a compressed kind only where it keeps the step under the TBT target.

@@ -1,0 +1,83 @@
+"""Admission as a promise, a stage of the adaptive policy (``apt.py``; issue 44).
+
+Two functions over one decision's ``Candidates`` and ``Plan``, with everything they read passed in:
+
+* ``reserved_row``: the waiting request whose pages the greedy must not share out this decision: the
+  oldest that can still pass and has used ``reserve_after`` of its TTFT target. The greedy weighs value
+  per page, so short requests were admitted ahead of a long, older one until its target was lost
+  (documents behind a stream of chats: 5 of 11 missed their 12 s TTFT); one at a time, so a burst of
+  long requests cannot take every short one's turn.
+* ``admit_within_promise``: of the chosen waiting requests, the longest run in the plan's order (those
+  that can still pass before the late ones) whose decode rows, added to every running request's, each
+  at the context it will hold when it finishes, keep the predicted decode step within
+  ``admission_share`` of the step's target; the rest wait. Under a burst the greedy started everyone
+  memory allowed and then broke their gaps (at 2 req/s, 23 of 29 chats over their 0.5 s gap, none
+  late): a request kept waiting still has its TTFT, one started and then stalled has lost.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from apt_serve_ray.request import CacheKind
+from apt_serve_ray.scheduler.candidates import KIND_CODE, Candidates
+from apt_serve_ray.scheduler.knapsack import SKIP
+
+PROMISE_LOOKAHEAD = 512  # tokens of a request's growth the promise looks ahead (max_tokens may be far off)
+_HIDDEN = KIND_CODE[CacheKind.HIDDEN]
+
+
+def int8_seconds(per_page: np.ndarray, kinds: np.ndarray, mem_kv: np.ndarray) -> np.ndarray:
+    """Each row's extra decode-step seconds from holding an int8 kind (``kinds`` as in ``held``; 0 for
+    KV, the hidden kind, whose recompute is the step model's own term, and rows holding nothing)."""
+    return np.where(kinds > _HIDDEN, per_page[np.maximum(kinds, 0)] * mem_kv, 0.0)
+
+
+def reserved_row(c: Candidates, forced: np.ndarray, reserve_after: float | None) -> int:
+    """The waiting row whose pages are reserved this decision (-1: none), see the module docstring."""
+    n_run = c.num_running
+    if reserve_after is None or c.ttft_slo_ms is None or n_run == c.num:
+        return -1
+    waited = c.pending_s[n_run:] >= reserve_after * c.ttft_slo_ms[n_run:] / 1000.0
+    rows = np.flatnonzero(waited & ~c.missed[n_run:] & ~forced[n_run:]) + n_run
+    return int(rows[np.argmin(c.arrival[rows])]) if rows.size else -1
+
+
+def admit_within_promise(c: Candidates, plan, reserved: int, *, step_model, per_page: np.ndarray,
+                         admission_share: float, target_scale: float) -> None:
+    """Drop from ``plan`` the chosen waiting rows the step's promise cannot afford (module docstring).
+    ``target_scale``: seconds of step a millisecond of TBT target buys (``tbt_headroom`` / the measured
+    slowdown, / 1000). The protected (``plan.forced``) are not held back and count as rows; the reserved
+    one leads the rest; with nothing running, the first starts whatever it costs."""
+    n_run, order, kind = c.num_running, plan.order, plan.kind
+    new = order[order >= n_run]
+    new = new[~plan.forced[new]]
+    if not new.size:
+        return
+    rows = np.concatenate((np.flatnonzero(plan.chosen[:n_run]), order[(order >= n_run) & ~np.isin(order, new)]))
+    need, tbt = c.need, c.tbt_slo_ms
+    if c.max_num_tokens is not None:  # the context each will hold when it finishes
+        need = np.minimum(np.maximum(c.max_num_tokens, need), need + PROMISE_LOOKAHEAD)
+    row_kind = np.where(rows < n_run, c.held[rows], kind[rows])
+    live = rows[~c.missed[rows]]
+    tight = float(tbt[live].min()) if live.size else np.inf
+    late = c.missed[new] & (new != reserved)
+    new = np.concatenate((new[~late], new[late]))  # those that can still pass first
+    k = kind[new]
+    n_rows = rows.size + np.arange(1, new.size + 1)
+    ctx = int(need[rows].sum()) + np.cumsum(need[new])
+    hidden = int(need[rows][row_kind == _HIDDEN].sum()) + np.cumsum(np.where(k == _HIDDEN, need[new], 0))
+    extra = (float(int8_seconds(per_page, row_kind, c.mem_kv[rows]).sum())
+             + np.cumsum(int8_seconds(per_page, k, c.mem_kv[new])))
+    predicted = np.asarray(step_model.predict(n_rows, ctx, hidden), dtype=np.float64) + extra
+    limit = np.minimum.accumulate(np.where(c.missed[new], tight, np.minimum(tight, tbt[new])))
+    over = np.flatnonzero(predicted > admission_share * target_scale * limit)
+    if not over.size:
+        return
+    dropped = new[int(over[0]) if rows.size or over[0] > 0 else 1:]
+    if not dropped.size:
+        return
+    plan.spare += int(c.mem[np.maximum(kind[dropped], 0), dropped].sum())
+    plan.chosen[dropped] = False
+    kind[dropped] = SKIP
+    plan.order = order[plan.chosen[order]]
