@@ -80,6 +80,7 @@ def _work_unit(nodeid: str) -> str:
     return path  # a module: its module-scoped fixtures built once
 
 
+@pytest.hookimpl(optionalhook=True)  # `-p no:xdist` runs the suite in one process without it
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadgroup`` (``scripts/test.sh``) with groups by ``_work_unit``. (xdist's own loadgroup
     reads ``xdist_group`` marks into the node id, which pytest 9 no longer lets a plugin rewrite: every
