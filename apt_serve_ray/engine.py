@@ -22,7 +22,7 @@ from apt_serve_ray.detokenizer import IncrementalDetokenizer
 from apt_serve_ray.model_loader import load_tokenizer, resolve_model
 from apt_serve_ray.model_runner import ModelRunner
 from apt_serve_ray.observability.observer import EngineObserver, RequestEvent, RequestLogger
-from apt_serve_ray.outputs import RequestOutput, output_of
+from apt_serve_ray.outputs import OVERLOADED, RequestOutput, output_of
 from apt_serve_ray.request import CacheKind, Request, RequestStatus
 from apt_serve_ray.sampling_params import SamplingParams
 from apt_serve_ray.scheduler.output import ScheduledChunk
@@ -251,8 +251,9 @@ class LLMEngine:
         self.last_step = None
         if len(self._observers) > 1 or out.preempted:
             self._emit_schedule_events(out, sched_now)
-        if out.is_empty:
-            return []
+        shed = [self._shed(r) for r in out.shed]
+        if out.is_empty or not (out.chunks or out.conversions or out.swap_out or out.swap_in):
+            return shed
         predicted = self.scheduler.predicted_seconds(out)
         t1 = self.clock()
         try:
@@ -265,7 +266,7 @@ class LLMEngine:
                     self.cache.drop_swapped(self.requests[plan.request_id])
                 else:  # demoted prefix pages
                     self.cache.forget_tier_slots(plan.slots)
-            failed = []
+            failed = shed
             for chunk in out.chunks:
                 chunk.request.error = f"{type(exc).__name__}: {exc}"
                 failed.append(self._finish(chunk.request, RequestStatus.FINISHED_ERROR))
@@ -276,7 +277,8 @@ class LLMEngine:
         for chunk in out.chunks:
             chunk.request.num_computed_tokens += chunk.num_tokens
             name_pages(chunk.request)
-        outputs = [o for o in (self._on_token(request, sampled, now) for request, sampled in results) if o is not None]
+        outputs = shed + [o for o in (self._on_token(request, sampled, now) for request, sampled in results)
+                          if o is not None]
         self.num_steps += 1
         decodes = sum(1 for c in out.chunks if c.num_tokens == 1 and c.request.num_output_tokens)
         upgrades = sum(p.is_upgrade for p in out.conversions)
@@ -333,6 +335,12 @@ class LLMEngine:
             request.stop_reason = reason
             return self._finish(request, status)
         return self._output(request)
+
+    def _shed(self, request: Request) -> RequestOutput:
+        """End a request the policy turned away before it started (``SchedulerOutput.shed``)."""
+        request.error = (f"{OVERLOADED}: the server cannot start this request within its TTFT target "
+                         f"({request.ttft_slo_ms:.0f} ms) under the present load; retry later")
+        return self._finish(request, RequestStatus.FINISHED_ERROR)
 
     def _finish(self, request: Request, status: RequestStatus) -> RequestOutput:
         self.scheduler.finish(request, status)

@@ -27,7 +27,8 @@ Engine mode (``engine``): one in-process engine per policy (``bench/driver.repla
 token times), policies interleaved per rate. ``apt``: the adaptive policy as the app ships it (hidden
 and kv-int8 kinds under a ceiling the engine's own watermarks move, 0.7 / 0.9, up to 0.7; 4 GiB
 tier); ``apt-open``: the same as it was before issue 44 (admits whatever memory allows, no
-reservation for the oldest); ``apt-notier``: apt without its tier (``swap_space`` 0); ``apt-kv``: the same policy with KV pages only; ``sarathi`` (vLLM v1's chunked prefill, FCFS),
+reservation for the oldest, no request written off before it is late); ``apt-keeplate``: apt without
+writing off the waiting requests predicted late; ``apt-notier``: apt without its tier (``swap_space`` 0); ``apt-kv``: the same policy with KV pages only; ``sarathi`` (vLLM v1's chunked prefill, FCFS),
 ``fcfs``, ``priority``. Every step is recorded (``driver.step_record``): each miss is explained by
 the steps in the gap it broke (prefill tokens, decode rows, compressions, swaps, upgrades, measured
 vs predicted seconds) or, for a late first token, the steps it waited through. The step-time model's
@@ -35,7 +36,8 @@ prediction against the measured step is tabled by step kind.
 
 Serve mode (``serve``): one server at a time on this machine, each started here and stopped after its
 rates. ``ours``: ``serve run`` of the app with serve_config.yaml's scheduling, watermarks, kinds and
-tier, told each request's SLOs and priority in the body; ``ours-kv``: the same with KV pages only (no
+tier, told each request's SLOs and priority in the body; ``ours-notier``: the same without the tier
+below memory; ``ours-open``: apt's admission as before issue 44; ``ours-kv``: the same with KV pages only (no
 compressed kind, watermarks off); ``vllm``: vLLM CPU (``$PEER``, see shared/tools/vllm-peer) with its
 defaults (FCFS, prefix caching on), the same requests without SLOs or priority; ``vllm-priority``: with
 ``--scheduling-policy priority`` and the priority in the body. Gaps are measured at the client between
@@ -223,7 +225,10 @@ def engine_options(name: str, args) -> dict:
         return dict(common, policy="apt", cache_kinds=("hidden", "kv-int8"), enable_watermarks=True,
                     light_watermark=0.7, heavy_watermark=0.9, max_hidden_ratio=0.7, swap_space=4.0)
     if name == "apt-open":  # apt as it was before issue 44: admits whatever memory allows, no reservation
-        return dict(engine_options("apt", args), policy_options={"admission_share": None, "reserve_after": None})
+        return dict(engine_options("apt", args), policy_options={"admission_share": None, "reserve_after": None,
+                                                                 "write_off_late": False})
+    if name == "apt-keeplate":  # apt without writing off the waiting requests predicted late
+        return dict(engine_options("apt", args), policy_options={"write_off_late": False})
     if name == "apt-notier":  # apt without the tier below memory: preempted requests are recomputed
         return dict(engine_options("apt", args), swap_space=0.0)
     if name == "apt-kv":
@@ -231,7 +236,7 @@ def engine_options(name: str, args) -> dict:
     if name in ("sarathi", "fcfs", "priority"):
         return dict(common, policy=name, cache_ratio=0.0, enable_hybrid_cache=False, calibrate_rho=False,
                     swap_space=0.0)
-    raise SystemExit(f"--policies: unknown {name!r}; valid: apt apt-open apt-notier apt-kv sarathi fcfs priority")
+    raise SystemExit(f"--policies: unknown {name!r}; valid: apt apt-open apt-keeplate apt-notier apt-kv sarathi fcfs priority")
 
 
 def run_engine(args) -> dict:
@@ -276,7 +281,10 @@ def server_command(name: str, args, ckpt: str, port: int) -> tuple[list[str], di
     env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0", TOKENIZERS_PARALLELISM="false")
     if name == "ours-open":  # ours with apt's admission as before issue 44 (no promise, no reservation)
         cmd, env, told = server_command("ours", args, ckpt, port)
-        return cmd + ['policy_options={"admission_share": null, "reserve_after": null}'], env, told
+        return cmd + ['policy_options={"admission_share": null, "reserve_after": null, "write_off_late": false}'], env, told
+    if name == "ours-notier":  # ours without the tier below memory (swap_space 0)
+        cmd, env, told = server_command("ours", args, ckpt, port)
+        return [a for a in cmd if a != "swap_space=4"] + ["swap_space=0"], env, told
     if name in ("ours", "ours-kv"):
         # serve_config.yaml's scheduling, watermarks, kinds and tier; the checkpoint and sizes of the run.
         kinds = "[hidden,kv-int8]" if name == "ours" else "[]"
@@ -303,7 +311,7 @@ def server_command(name: str, args, ckpt: str, port: int) -> tuple[list[str], di
         if name == "vllm-priority":
             cmd += ["--scheduling-policy", "priority"]
         return cmd + args.vllm_args, env, (("priority",) if name == "vllm-priority" else ())
-    raise SystemExit(f"--servers: unknown {name!r}; valid: ours ours-open ours-kv vllm vllm-priority")
+    raise SystemExit(f"--servers: unknown {name!r}; valid: ours ours-open ours-notier ours-kv vllm vllm-priority")
 
 
 def _up(port: int) -> bool:

@@ -12,7 +12,9 @@ import asyncio
 import contextlib
 from typing import AsyncIterator
 
+from apt_serve_ray.outputs import OVERLOADED
 from deployments import openai_protocol as oai
+from deployments.controller_link import RETRY_AFTER_S
 from deployments import tools
 from deployments.preparation import Prepared
 from deployments.wire import StreamItem
@@ -27,7 +29,11 @@ async def next_item(items: AsyncIterator[StreamItem]) -> StreamItem:
         raise oai.APIError("the engine stream ended without a final token", status=500, type="server_error") from None
 
 
-def _failure(item: StreamItem) -> oai.APIError:
+def failure(item: StreamItem) -> oai.APIError:
+    """The APIError of a failed final item: 503 + ``Retry-After`` for a request the policy shed, 500 else."""
+    if item.error and item.error.startswith(OVERLOADED):  # shed by the policy before it started
+        return oai.APIError(item.error, status=503, type="server_overloaded", code="cannot_start_in_time",
+                            retry_after_s=RETRY_AFTER_S)
     return oai.APIError(f"generation failed: {item.error}", status=500, type="server_error")
 
 
@@ -81,7 +87,7 @@ async def _collect_one(prepared: Prepared, first: StreamItem, items: AsyncIterat
                 break
             item = await next_item(items)
     if item.is_failed:
-        raise _failure(item)
+        raise failure(item)
     extra = {"token_ids": _token_ids(prepared, ids, first=True), "logprobs": _logprobs(prepared, ids, logprobs)}
     text, reason = "".join(texts), oai.finish_reason(item.finish_reason)
     if prepared.chat and prepared.body.calls_tools:
@@ -176,7 +182,7 @@ async def _chunks_one(prepared: Prepared, first: StreamItem, items: AsyncIterato
             while True:
                 num_output += len(item.token_ids)
                 if item.is_final and item.is_failed:
-                    raise _failure(item)
+                    raise failure(item)
                 if held is not None:
                     held.append(item.text)
                     if item.is_final:

@@ -214,6 +214,8 @@ class Router:
         streams = [(choice, self._generate(choice)) for choice in prepared.choices]
         firsts = await asyncio.gather(*(anext(items) for _, items in streams), return_exceptions=True)
         failed = next((f for f in firsts if isinstance(f, BaseException)), None)
+        if failed is None:  # one that ended before its first token (shed: 503), before any status is sent
+            failed = next((responses.failure(f) for f in firsts if f.is_failed), None)
         if failed is not None:
             for (_, items), first in zip(streams, firsts):
                 if not isinstance(first, BaseException):

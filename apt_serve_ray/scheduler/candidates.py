@@ -34,7 +34,7 @@ KINDS = (CacheKind.KV, CacheKind.HIDDEN, CacheKind.KV_INT8, CacheKind.HIDDEN_INT
 KIND_CODE = {kind: code for code, kind in enumerate(KINDS)}
 NO_PAGES = -1  # ``held`` of a request holding no pages (waiting)
 _HELD_CODE = {**KIND_CODE, None: NO_PAGES}
-_NEVER_FITS = np.iinfo(np.int64).max // 4  # pages of a kind whose page cannot hold one token
+NEVER_FITS = np.iinfo(np.int64).max // 4  # pages of a kind whose page cannot hold one token
 PREFIX_LOOKUPS = 256  # at most so many waiting requests (from the queue's head) have their prefix looked up
 PREFIX_LOOKUPS_MIN = 16  # and at least so many, however full the batch
 
@@ -109,6 +109,7 @@ class Candidates:
     hit_kind: np.ndarray | None = None
     ttft_slo_ms: np.ndarray | None = None
     max_num_tokens: np.ndarray | None = None  # tokens each holds when it finishes (at most)
+    awaiting_first: np.ndarray | None = None  # no first token yet (its TTFT still open)
 
     @property
     def num(self) -> int:
@@ -167,7 +168,7 @@ class Candidates:
         mem = np.empty((len(KINDS), n), dtype=np.int64)
         for row, kind in zip(mem, KINDS):
             tpp = lay.tokens_per_page(kind)
-            row[:] = -(-need // tpp) if tpp > 0 else _NEVER_FITS
+            row[:] = -(-need // tpp) if tpp > 0 else NEVER_FITS
         # Request.pending_time and Request.has_missed_slo, for all rows at once (comparisons with NaN,
         # no token yet, are False, as the scalar code's branches).
         no_token = np.isnan(last)
@@ -189,7 +190,7 @@ class Candidates:
             for i, r in enumerate(running):
                 if r.num_prefix_pages:  # a shared prefix kept in another kind: the rest in each kind
                     for k, kind in enumerate(KINDS):
-                        if mem[k, i] != _NEVER_FITS:
+                        if mem[k, i] != NEVER_FITS:
                             mem[k, i] = ctx.cache.num_pages_for(r, int(need[i]), kind)
                     mem_held[i] = mem[held[i], i]
         copy = None
@@ -237,4 +238,4 @@ class Candidates:
             imp = importance(priority)
         return cls(requests, n_run, num_tokens, mem, num_held, held, mem_held, is_decoding, num_computed,
                    arrival, pending_s, missed, tbt_ms, urg, imp, priority, copy, hit_kind, ttft_ms,
-                   max_tokens.astype(np.int64))
+                   max_tokens.astype(np.int64), np.isnan(first))

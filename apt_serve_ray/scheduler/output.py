@@ -36,6 +36,9 @@ class SchedulerOutput:
     # Seconds the policy priced for this step's in-place kind changes and transfers, beside what its
     # step-time model predicts for the chunks (the engine adds the two: ``StepStats.predicted_s``).
     planned_extra_s: float = 0.0
+    # Waiting requests the policy turned away because they cannot start in time (``shed``): the engine
+    # ends each with an explicit "overloaded" error. They hold no pages and no slots.
+    shed: list[Request] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -45,4 +48,4 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         """Nothing to run. A step that only swaps out still runs: the freed pages' bytes must reach
         the slots before any later step writes them."""
-        return not self.chunks and not self.conversions and not self.swap_out and not self.swap_in
+        return not self.chunks and not self.conversions and not self.swap_out and not self.swap_in and not self.shed

@@ -159,6 +159,7 @@ class SchedulingContext:
         self._swap_outs = []
         self._swap_ins = {}  # request id -> its SwapPlan, this step
         self.planned_extra_s = 0.0  # what the policy priced kind changes and transfers at (seconds)
+        self._shed: list[Request] = []
         self._prefix_found: dict[tuple[int, CacheKind], tuple[int, int, int]] = {}  # prefix_hit, this decision
 
     # Read-only views
@@ -338,6 +339,15 @@ class SchedulingContext:
         self.token_budget -= num_tokens
         return True
 
+    def shed(self, request: Request) -> None:
+        """Turn a waiting request away: it leaves the queue now and the engine ends it with an
+        "overloaded" error (the server answers 503 with ``Retry-After``). Only one that holds nothing
+        (no tokens computed, no copy in the tier) and was not admitted this decision."""
+        if request.num_computed_tokens or request.is_swapped or id(request) in self._admitted:
+            raise ValueError(f"shed: {request.request_id} holds computed tokens or was admitted")
+        self._s.waiting.remove(request)
+        self._shed.append(request)
+
     def preempt(self, request: Request, cause: str = "memory") -> None:
         """Free all pages of a running request and requeue it at the front; its generated tokens are
         kept. Its computed tokens move to the tier below memory where it has room and that is cheaper
@@ -434,4 +444,4 @@ class SchedulingContext:
         return SchedulerOutput(list(self._chunks.values()), list(self._conversions), list(self._preempted),
                                preempt_causes=list(self._causes), swap_out=list(self._swap_outs) + demotions,
                                swap_in=list(self._swap_ins.values()) + restores, preempt_swapped=list(self._swapped),
-                               planned_extra_s=self.planned_extra_s)
+                               planned_extra_s=self.planned_extra_s, shed=list(self._shed))

@@ -290,6 +290,52 @@ def test_the_oldest_long_request_gets_its_pages_before_its_target_is_lost():
     assert _doc_behind_a_stream_of_chats() < 12.0  # reserved at 6 s, started as its pages freed
 
 
+def _documents_one_after_another(**policy_kw):
+    """Documents of ~2.4 s prefill each arrive every 0.6 s with a 5 s TTFT: the engine keeps up with
+    one in four. Returns each one's TTFT (None: never started) and the simulator."""
+    cost = CostModel(base_s=0.02, per_token_s=0.0014, per_context_s=1e-5, hidden_context_s=0.0, prefill_pair_s=5e-7)
+    config = EngineConfig(policy="apt", calibrate_rho=False, enable_watermarks=False, max_num_batched_tokens=512,
+                          swap_space=0)
+    policy = AdaptiveScheduler(config=config, rho=0.0, step_model=cost, tbt_headroom=0.8, **policy_kw)
+    sim = SimulatedEngine(config, layout=MHA_LAYOUT, num_pages=600, policy=policy, cost=cost)
+    docs, next_doc = [], sim.now
+    while len(docs) < 12 or any(d.first_token_time is None and not d.is_finished for d in docs):
+        if len(docs) < 12 and sim.now >= next_doc:
+            docs.append(sim.add(1200, 4, tbt_slo_ms=1000, ttft_slo_ms=5000))
+            next_doc += 0.6
+        sim.step()
+    sim.run_until_idle()
+    return [math.inf if d.first_token_time is None else d.first_token_time - d.arrival_time for d in docs], docs, sim
+
+
+def test_a_request_that_cannot_start_in_time_is_written_off_before_it_is_late():
+    """Served in arrival order, each document starts a little later than the one before and all but
+    the first few miss; written off as soon as the prefills ahead make it late, one yields its turn to
+    those behind it. Those written off still run, last, and return their pages."""
+    kept, _, _ = _documents_one_after_another(write_off_late=False)
+    ttfts, docs, sim = _documents_one_after_another()
+    assert sum(t < 5.0 for t in kept) == 3  # the first three; then each a little later than the last
+    assert sum(t < 5.0 for t in ttfts) >= 6
+    assert all(d.is_finished and d.num_output_tokens == 4 for d in docs)
+    assert sim.llm_engine.cache.pool.num_free_pages == sim.llm_engine.cache.pool.num_pages
+
+
+def test_where_the_deployment_sheds_a_request_that_cannot_start_in_time_ends_with_an_overloaded_error():
+    from apt_serve_ray.outputs import OVERLOADED
+    from apt_serve_ray.request import RequestStatus
+
+    kept, _, _ = _documents_one_after_another(write_off_late=True)
+    ttfts, docs, sim = _documents_one_after_another(shed_late=True)
+    shed = [d for d in docs if d.first_token_time is None]
+    assert shed and all(d.status is RequestStatus.FINISHED_ERROR and d.error.startswith(OVERLOADED) for d in shed)
+    assert all(d.num_computed_tokens == 0 for d in shed)  # turned away before any work
+    served = [d for d in docs if d.first_token_time is not None]
+    assert all(d.is_finished and d.num_output_tokens == 4 for d in served)
+    assert sum(t < 5.0 for t in ttfts) >= sum(t < 5.0 for t in kept)  # shedding costs no request its target
+    assert sim.llm_engine.cache.pool.num_free_pages == sim.llm_engine.cache.pool.num_pages
+    assert not sim.scheduler.waiting and not sim.scheduler.running
+
+
 def test_the_prefill_loop_stopping_early_changes_no_decision(monkeypatch):
     """The loop over the plan's prefill rows stops where nothing more can run (issue 44: 9.6 -> 1.1 ms a
     decision at 1,600 candidates): every step the same chunks and preemptions as the full scan."""

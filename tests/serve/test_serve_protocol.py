@@ -276,3 +276,14 @@ def test_stream_interval_widens_with_the_replicas_streams_up_to_a_quarter_of_the
     assert stream_interval(0.05, 100, 50.0, 1000) == 0.25  # never past TBT / 4
     assert stream_interval(0.05, 100, 50.0, 100) == 0.025  # a tight target: finer, whatever the load
     assert stream_interval(0.0, 0, 50.0, 1000) == 0.0
+
+
+def test_a_request_shed_before_it_started_is_a_503_with_retry_after():
+    from apt_serve_ray.outputs import OVERLOADED
+    from deployments.responses import failure
+
+    shed = failure(StreamItem("", finish_reason="error", error=f"{OVERLOADED}: cannot start in time"))
+    assert shed.status == 503 and shed.code == "cannot_start_in_time" and shed.type == "server_overloaded"
+    assert int(shed.headers()["Retry-After"]) >= 1
+    broken = failure(StreamItem("", finish_reason="error", error="RuntimeError: boom"))
+    assert broken.status == 500 and "Retry-After" not in broken.headers()

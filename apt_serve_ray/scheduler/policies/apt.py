@@ -62,6 +62,10 @@ still has its TTFT; one started and then stalled has lost). And since the greedy
 short requests were admitted ahead of a long, older one until its TTFT was lost (documents behind
 chats): the oldest waiting request that can still pass and has used ``reserve_after`` of its TTFT
 target has its pages taken out of what the greedy shares, and leads the admissions; one at a time.
+And a request that cannot have its first token in time even if served in the order the policy serves
+(the more important first, then the nearest deadline), at the rate prefill runs beside the decodes now,
+is written off before its deadline as one already late (``predicted_late``, ``write_off_late``): under
+a burst of documents each one otherwise ran a little late in turn, and took the turn of those behind it.
 
 **Priority overtakes** (``priority_preemption``, issue 16). Pinning alone kept an important request
 that arrived to a full pool waiting behind unimportant running ones until they finished (interactive
@@ -93,10 +97,11 @@ from __future__ import annotations
 import numpy as np
 
 from apt_serve_ray.cache.cache_manager import can_convert
-from apt_serve_ray.scheduler.candidates import KIND_CODE, KINDS, NO_PAGES, Candidates, WaitingRows
+from apt_serve_ray.scheduler.candidates import KIND_CODE, KINDS, NEVER_FITS, NO_PAGES, Candidates, WaitingRows
 from apt_serve_ray.scheduler.costs import StepCosts, recompute_seconds
 from apt_serve_ray.scheduler.knapsack import SKIP, greedy_choice
-from apt_serve_ray.scheduler.policies.apt_admission import admit_within_promise, int8_seconds, reserved_row
+from apt_serve_ray.scheduler.policies.apt_admission import (admit_within_promise, int8_seconds, predicted_late,
+                                                            reserved_row)
 from apt_serve_ray.scheduler.policies.apt_iteration import IterationShaper, Plan
 from apt_serve_ray.scheduler.policies.apt_kinds import KindChanger
 from apt_serve_ray.scheduler.policies.base import SchedulingPolicy
@@ -119,7 +124,8 @@ class AdaptiveScheduler(KindChanger, IterationShaper, SchedulingPolicy):
         fairness_penalty: float = FAIRNESS_PENALTY, max_wait_time: float = MAX_WAIT_S,
         *, config=None, rho: float | None = None, step_model=None, tbt_headroom: float = 0.8,
         hidden_cost_steps: float = 8.0, evict_missed: bool = False, priority_preemption: bool = True,
-        admission_share: float | None = 0.8, reserve_after: float | None = 0.5,
+        admission_share: float | None = 0.8, reserve_after: float | None = 0.5, write_off_late: bool = True,
+        shed_late: bool = False,
     ) -> None:
         super().__init__(config)
         self.weights = ValueWeights(time_weight, memory_weight, slo_weight, priority_weight)
@@ -159,6 +165,12 @@ class AdaptiveScheduler(KindChanger, IterationShaper, SchedulingPolicy):
         # ``reserve_after`` of its TTFT target, has its pages reserved (nobody is admitted into them
         # ahead of it) and starts first; one at a time. None: off.
         self.reserve_after = reserve_after
+        # Lost before they start (issue 44): a waiting request whose first token the step-time model
+        # says cannot come in time, even in deadline order, is written off as one already late.
+        self.write_off_late = bool(write_off_late)
+        # Where the deployment sheds (off by default): such a request that holds nothing yet is turned
+        # away at once (503 + Retry-After through the server) instead of running late, behind the rest.
+        self.shed_late = bool(shed_late)
         self._protected: set = set()  # Request objects
         self._waiting_rows = WaitingRows()
         self._per_page = np.zeros(len(KINDS))  # each kind's seconds per page, read from the costs per decision
@@ -191,6 +203,14 @@ class AdaptiveScheduler(KindChanger, IterationShaper, SchedulingPolicy):
             return
         self._per_page = np.array([self.costs.seconds_per_page(k) for k in KINDS])  # KV: 0
         self._cache, self._free_swap_slots = ctx.cache, ctx.num_free_swap_slots
+        if self.write_off_late and self.step_model is not None:
+            # The reserved request (if any) leads the deadline order, as it leads the admissions.
+            lead = reserved_row(cands, np.zeros(cands.num, dtype=bool), self.reserve_after)
+            late = predicted_late(cands, self.step_model, seconds_scale=self._prefill_scale(cands),
+                                  chunk_tokens=ctx.config.max_num_batched_tokens, lead=lead)
+            cands.missed[late] = True
+            if self.shed_late:
+                self._shed(ctx, cands, late)
         value, kind_weight = self._price(cands)
         offered = self.offered_kinds(ctx)
         plan = self._choose(ctx, cands, value, kind_weight, offered)
@@ -208,6 +228,30 @@ class AdaptiveScheduler(KindChanger, IterationShaper, SchedulingPolicy):
         pool_pages, layout = ctx.cache.pool.num_pages, ctx.cache.layout
         return [KIND_CODE[k] for k in kinds if k not in unavailable and self.kind_pays_for_throughput(
             pool_pages, layout.block_size / max(1, layout.tokens_per_page(k)), self.costs.seconds_per_page(k))]
+
+    def _shed(self, ctx, c: Candidates, late: np.ndarray) -> None:
+        """Turn away the waiting requests among ``late`` that hold nothing (``ctx.shed``); their rows
+        stay in the table, fitting in no kind, so nothing below chooses them."""
+        rows = late[(late >= c.num_running) & (c.num_computed[late] == 0)]
+        if c.copy is not None:
+            rows = rows[c.copy[rows] < 0]
+        for row in rows.tolist():
+            ctx.shed(c.requests[row])
+        c.mem[:, rows] = NEVER_FITS
+        c.mem_held[rows] = NEVER_FITS
+
+    def _prefill_scale(self, c: Candidates) -> float:
+        """Wall seconds one second of the model's prefill takes now: the measured slowdown, over the
+        share of a step the decodes leave (steps are as long as the tightest live gap allows; taken
+        as at least a tenth, so a step full of decodes still reads as slow prefill, not none)."""
+        rows = np.flatnonzero(c.is_decoding[: c.num_running])
+        target = self._step_target(c, rows)
+        if target is None:
+            return self.slowdown
+        context = c.num_computed[rows] + 1
+        decode_s = self.step_model.predict(int(rows.size), int(context.sum()),
+                                           int(context[c.is_hidden[rows]].sum())) * self.slowdown
+        return self.slowdown / min(1.0, max(0.1, 1.0 - decode_s / target))
 
     def _price(self, c: Candidates) -> tuple[np.ndarray, np.ndarray]:
         """Each candidate's value, and ``U * m * hidden_cost_steps``: times a kind's seconds per page, what
