@@ -100,14 +100,16 @@ class Scenario:
     of the waiting ones. Every step, arrivals top the candidates up to ``n`` again."""
 
     def __init__(self, n: int, rng: np.random.Generator, rho: float, max_num_seqs: int, max_tokens: int,
-                 cache_ratio: float = 1.0, cache_kinds: tuple[str, ...] = ("hidden",)) -> None:
+                 cache_ratio: float = 1.0, cache_kinds: tuple[str, ...] = ("hidden",),
+                 policy_options: dict | None = None) -> None:
         self.n, self.rng = n, rng
         num_running = min(n // 2, max_num_seqs)
         prompts = rng.integers(16, 513, n)
         running, waiting = prompts[:num_running], prompts[num_running:]
         num_pages = int((running // 16 + 3).sum() + (waiting // 16 + 1).sum() // 2) + 1
         config = EngineConfig(policy="apt", calibrate_rho=False, enable_watermarks=False, max_num_seqs=max_num_seqs,
-                              max_num_batched_tokens=max_tokens, cache_ratio=cache_ratio, cache_kinds=cache_kinds)
+                              max_num_batched_tokens=max_tokens, cache_ratio=cache_ratio, cache_kinds=cache_kinds,
+                              policy_options=policy_options or {})
         self.sim = sim = SimulatedEngine(config, num_pages=num_pages)
         # As on the engine, which always measures both: rho and a step-time model (the simulator's own).
         sim.scheduler.policy.set_costs(StepCosts(rho=rho, step_time=sim.cost,
@@ -136,13 +138,13 @@ class Scenario:
 
 def measure_full(n: int, steps: int, rng: np.random.Generator, rho: float, *, max_num_seqs: int, max_tokens: int,
                  all_run: bool = False, profiler: cProfile.Profile | None = None, cache_ratio: float = 1.0,
-                 cache_kinds: tuple[str, ...] = ("hidden",)) -> dict:
+                 cache_kinds: tuple[str, ...] = ("hidden",), policy_options: dict | None = None) -> dict:
     """The decision time (``SchedulerOutput.schedule_time_s``: all of ``Scheduler.schedule()``) of
     ``steps`` consecutive engine steps at ``n`` candidates, after the first one (every waiting
     request new to the policy), which is reported apart."""
     if all_run:
         max_num_seqs, max_tokens = n, 64 * n
-    scenario = Scenario(n, rng, rho, max_num_seqs, max_tokens, cache_ratio, cache_kinds)
+    scenario = Scenario(n, rng, rho, max_num_seqs, max_tokens, cache_ratio, cache_kinds, policy_options)
     sched = scenario.sim.scheduler
     if profiler is not None:
         decide = sched.schedule
@@ -179,6 +181,8 @@ def main() -> None:
                         help="compressed kinds offered (hidden, kv-int8, hidden-int8; int8 costs: rho / 20)")
     parser.add_argument("--profile", type=int, default=None, metavar="N",
                         help="profile the decisions of --full-steps steps at N candidates and print the top functions")
+    parser.add_argument("--policy-options", type=json.loads, default={},
+                        help='apt\'s keyword arguments as JSON, e.g. \'{"write_off_late": false}\'')
     parser.add_argument("--json", type=Path, default=None, help="write results to this file")
     args = parser.parse_args()
     if args.repeats < 1 or args.full_steps < 0:
@@ -187,7 +191,7 @@ def main() -> None:
         parser.error("--sizes must all be >= 2")
     rng = np.random.default_rng(args.seed)
     limits = dict(max_num_seqs=args.max_num_seqs, max_tokens=args.max_num_batched_tokens, cache_ratio=args.cache_ratio,
-                  cache_kinds=tuple(args.cache_kinds))
+                  cache_kinds=tuple(args.cache_kinds), policy_options=args.policy_options)
 
     if args.profile is not None:
         profiler = cProfile.Profile()

@@ -34,9 +34,10 @@ from apt_serve_ray.scheduler.candidates import KIND_CODE, Candidates
 from apt_serve_ray.scheduler.knapsack import SKIP
 
 PROMISE_LOOKAHEAD = 512  # tokens of a request's growth the promise looks ahead (max_tokens may be far off)
-# Requests ``predicted_late`` writes off one by one, each freeing the time of those behind it; past
-# that, every one still over its target in one pass (bounds the decision's cost under a backlog).
-LATE_CHECKS = 32
+# Requests (in the order served) that ``predicted_late`` weighs one by one, each written off freeing its
+# time for those behind it; past them, every one over its target behind all those kept, in one pass
+# (bounds the decision's cost under a backlog: a scan of 1,600 in Python cost ~0.3 ms).
+LATE_WINDOW = 128
 _HIDDEN = KIND_CODE[CacheKind.HIDDEN]
 
 
@@ -80,14 +81,17 @@ def predicted_late(c: Candidates, step_model, *, seconds_scale: float, chunk_tok
     rows, slack = rows[order], slack[order]
     left = np.maximum(c.num_tokens[rows] - c.num_computed[rows], 0)
     own = prefill_seconds(step_model, c.num_computed[rows], left, chunk_tokens) * seconds_scale
+    # One by one over the first LATE_WINDOW (each written off frees its time for those behind it),
+    # then every later one still over its target behind all the kept ones, in one pass.
     late = np.zeros(rows.size, dtype=bool)
-    for _ in range(LATE_CHECKS):
-        over = np.flatnonzero((np.cumsum(own) > slack) & ~late)
-        if not over.size:
-            return rows[late]
-        late[over[0]] = True
-        own[over[0]] = 0.0
-    late |= np.cumsum(own) > slack
+    kept_s, head = 0.0, min(rows.size, LATE_WINDOW)
+    for i, (t, s) in enumerate(zip(own[:head].tolist(), slack[:head].tolist())):
+        if kept_s + t > s:
+            late[i] = True
+        else:
+            kept_s += t
+    if rows.size > head:
+        late[head:] = kept_s + np.cumsum(own[head:]) > slack[head:]
     return rows[late]
 
 
