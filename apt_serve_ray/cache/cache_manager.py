@@ -416,6 +416,11 @@ class CacheManager:
         """Demoted prefix pages held in the tier."""
         return len(self._tier)
 
+    def holds_request_copies(self) -> bool:
+        """Whether any request's computed tokens wait in the tier below memory (slots in use beyond
+        those of demoted prefix pages): when none do, no waiting request need be asked."""
+        return self.swap is not None and self.swap.num_used_slots > len(self._tier)
+
     @property
     def num_free_slots(self) -> int:
         """Slots a preempted request may take: the free ones and those demoted pages hold."""

@@ -194,7 +194,7 @@ class Candidates:
                             mem[k, i] = ctx.cache.num_pages_for(r, int(need[i]), kind)
                     mem_held[i] = mem[held[i], i]
         copy = None
-        if waiting:
+        if waiting and ctx.cache.holds_request_copies():
             # Read live, not carried in WaitingRows: a request admitted and preempted within one
             # decision may come back without its copy. One C-level pass; the swapped are few.
             swapped = np.flatnonzero(np.fromiter(map(len, map(_SLOTS, waiting)), dtype=np.int64, count=len(waiting)))
