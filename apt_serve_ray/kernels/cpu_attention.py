@@ -39,6 +39,7 @@ import logging
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -62,6 +63,9 @@ def _build_dir() -> tuple[str, Path]:
     key.update(" ".join(_FLAGS).encode())
     key.update(torch.__version__.encode())
     key.update((cpuinfo_field("flags") or cpu_name()).encode())
+    # Each checkout its own build: torch writes the sources' paths into build.ninja, so two checkouts
+    # sharing one directory rebuilt it in turn (minutes each), each under the other's lock.
+    key.update(str(_SOURCES[0].parent.resolve()).encode())
     name = f"apt_cpu_attention_{key.hexdigest()[:12]}"
     root = Path(os.environ.get("APT_SERVE_EXTENSIONS_DIR")
                 or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "apt-serve-ray" / "extensions")
@@ -86,12 +90,28 @@ def load():
 
     name, directory = _build_dir()
     directory.mkdir(parents=True, exist_ok=True)
+    _clear_stale_lock(directory / "lock")
     try:
         return cpp_extension.load(name=name, sources=[str(s) for s in _SOURCES], extra_cflags=_FLAGS,
                                   extra_ldflags=["-fopenmp"],
                                   build_directory=str(directory), verbose=False)
     except Exception as exc:  # compiler errors arrive as RuntimeError / CalledProcessError / OSError
         raise RuntimeError(f"cannot build the CPU attention kernels in {directory}: {exc}") from exc
+
+
+STALE_LOCK_S = 1200.0  # a build takes 1-3 minutes here; a lock this old was left by a killed build
+
+
+def _clear_stale_lock(lock: Path) -> None:
+    """torch's build lock is a file that a killed build leaves behind, and every later process then
+    waits for it forever (an engine start that never ends). One older than ``STALE_LOCK_S`` goes."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return
+    if age > STALE_LOCK_S:
+        logger.warning("removing a stale build lock %s (%.0f s old: a build was killed)", lock, age)
+        lock.unlink(missing_ok=True)
 
 
 def is_available() -> bool:

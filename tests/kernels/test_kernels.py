@@ -87,3 +87,22 @@ def test_engine_on_cuda_triton_matches_torch_path(checkpoint, shape):
         outs[backend] = llm.generate(prompts, params)
     for a, b in zip(outs["torch"], outs["triton"]):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+def test_a_build_lock_left_by_a_killed_build_is_cleared_and_a_fresh_one_kept(tmp_path):
+    """torch's build lock is a bare file: a killed build leaves it, and every later engine start waited
+    on it forever. One older than STALE_LOCK_S is removed; a fresh one (a build in progress) stays."""
+    import os
+    import time
+
+    from apt_serve_ray.kernels import cpu_attention as ca
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    ca._clear_stale_lock(lock)
+    assert lock.exists()
+    old = time.time() - 2 * ca.STALE_LOCK_S
+    os.utime(lock, (old, old))
+    ca._clear_stale_lock(lock)
+    assert not lock.exists()
+    ca._clear_stale_lock(lock)  # none: nothing to do
