@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 logger = logging.getLogger("apt_serve_ray")
 
@@ -68,3 +69,38 @@ def other_cpus(num_engine_replicas: int, num_threads: int, cpus: list[int] | Non
     taken = {c for r in range(num_engine_replicas) for c in (engine_cpus(r, num_threads, cpus) or ())}
     rest = [c for c in cpus if c not in taken]
     return rest if taken and rest else None
+
+
+# Ray's own processes on a node, by their command line: the proxy and the other actors' workers
+# ("ray::..."), the raylet, the GCS, the dashboard and its agents, the log monitor.
+_RAY_PROCESS_MARKS = ("ray::", "/ray/core/src/ray/", "/ray/dashboard/", "/ray/_private/", "/ray/autoscaler/")
+
+
+def keep_ray_processes_off(cpus, skip=("EngineReplica",)) -> int:
+    """Pin every thread of this node's Ray processes (``_RAY_PROCESS_MARKS``; not this process, its
+    children, nor those whose command line has one of ``skip``) to ``cpus``; workers the raylet
+    starts later inherit its CPUs. Measured through Ray Serve on 2 cores (bf16, one compute thread,
+    the engine pinned to core 0 and only the router and controller kept off it): mixed steps ran
+    1.2-1.4x their prediction at the median and single steps up to 2.4x (0.62 s for a 0.26 s step),
+    breaking 0.5 s gaps that in-process runs kept; the proxy, the GCS, the raylet and the dashboard
+    still ran on the engine's core. Returns the processes moved. Linux only."""
+    if not hasattr(os, "sched_setaffinity") or not os.path.isdir("/proc"):
+        return 0
+    me = os.getpid()
+    moved = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            proc = Path("/proc", entry)
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == me or not any(m in cmd for m in _RAY_PROCESS_MARKS) or any(k in cmd for k in skip):
+                continue
+            for tid in os.listdir(proc / "task"):
+                os.sched_setaffinity(int(tid), set(cpus))
+            moved += 1
+        except (OSError, ValueError, IndexError):  # ended meanwhile, or not ours to move
+            continue
+    return moved
+

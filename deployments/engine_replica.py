@@ -115,8 +115,9 @@ class EngineReplica:
             rest = [c for c in cpu_affinity.available_cpus() if c not in engine_config.cpu_affinity]
             if rest:
                 cpu_affinity.pin_process_threads(rest)
-                logger.info("engine replica %s: compute on CPUs %s, other threads on %s", self.replica_id,
-                            list(engine_config.cpu_affinity), rest)
+                moved = cpu_affinity.keep_ray_processes_off(rest)
+                logger.info("engine replica %s: compute on CPUs %s, other threads (and %d Ray processes of "
+                            "this node) on %s", self.replica_id, list(engine_config.cpu_affinity), moved, rest)
         self.engine.start()
         self.num_requests = 0
         self.num_aborted = 0  # callers that went away (disconnect, cancel) before the end

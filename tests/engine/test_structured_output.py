@@ -104,6 +104,7 @@ def test_grammar_state_survives_preemption_and_recompute(opt_tiny):
 
 def test_the_mask_and_penalties_are_measured_and_priced_into_apts_step_budget(opt_tiny):
     from apt_serve_ray.scheduler.candidates import Candidates
+    from apt_serve_ray.scheduler.policies.apt.shape import sampling_extra_s
     from apt_serve_ray.scheduler.scheduler import SchedulingContext
 
     llm = _llm(opt_tiny, "llguidance", policy="apt")
@@ -121,7 +122,7 @@ def test_the_mask_and_penalties_are_measured_and_priced_into_apts_step_budget(op
     policy.sampling_costs = (0.01, 0.0)
     c = Candidates.gather(SchedulingContext(engine.scheduler, engine.clock()))
     rows = np.flatnonzero(c.is_decoding[:c.num_running])
-    assert rows.size == 2 and policy._sampling_extra_s(c, rows) == pytest.approx(0.01)
+    assert rows.size == 2 and sampling_extra_s(policy.sampling_costs, c, rows) == pytest.approx(0.01)
 
 
 @pytest.mark.parametrize("backend", GRAMMAR_BACKENDS)

@@ -4,6 +4,7 @@ contexts), then whole engines on each backend against the reference backend (mix
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -314,3 +315,39 @@ def test_async_engine_loop_thread_runs_on_its_cpus(opt_tiny):
         assert os.sched_getaffinity(0) != {cpu} or len(os.sched_getaffinity(0)) == 1  # the caller is untouched
     finally:
         engine.shutdown()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux CPU affinity and two CPUs")
+def test_rays_processes_on_the_node_are_moved_off_the_engine_cpus():
+    """A process whose command line marks it as one of Ray's (here a stand-in started through a shell,
+    so it is not our child) is pinned to the CPUs given; our own children and the skipped are not."""
+    import subprocess
+    import sys
+    import time
+
+    from apt_serve_ray.cpu_affinity import keep_ray_processes_off
+
+    cpus = sorted(os.sched_getaffinity(0))
+    code = "import time; time.sleep(30)"
+    shell = subprocess.Popen(["sh", "-c", f'"{sys.executable}" -c "{code}" ray::StandIn & wait'])
+    child = subprocess.Popen([sys.executable, "-c", code, "ray::OwnChild"])
+    skipped = subprocess.Popen(["sh", "-c", f'"{sys.executable}" -c "{code}" ray::EngineReplica & wait'])
+    try:
+        def pid_of(mark):
+            for _ in range(50):
+                out = subprocess.run(["pgrep", "-f", mark], capture_output=True, text=True).stdout.split()
+                if out:
+                    return int(out[0])
+                time.sleep(0.1)
+            raise AssertionError(f"{mark} did not start")
+
+        stand_in, engine = pid_of("ray::StandIn"), pid_of("ray::EngineReplica")
+        assert keep_ray_processes_off([cpus[-1]]) >= 1
+        assert os.sched_getaffinity(stand_in) == {cpus[-1]}
+        assert os.sched_getaffinity(child.pid) == set(cpus)  # our child: left alone
+        assert os.sched_getaffinity(engine) == set(cpus)  # skipped by name
+    finally:
+        for p in (shell, child, skipped):
+            p.kill()
+        subprocess.run(["pkill", "-f", "ray::StandIn|ray::EngineReplica"], check=False)

@@ -341,10 +341,10 @@ def test_the_prefill_loop_stopping_early_changes_no_decision(monkeypatch):
     decision at 1,600 candidates): every step the same chunks and preemptions as the full scan."""
     import hashlib
 
-    from apt_serve_ray.scheduler.policies import apt_iteration
+    from apt_serve_ray.scheduler.policies.apt import shape as apt_shape
 
     def decisions(early_stop: bool) -> str:
-        monkeypatch.setattr(apt_iteration, "EARLY_STOP", early_stop)
+        monkeypatch.setattr(apt_shape, "EARLY_STOP", early_stop)
         rng = np.random.default_rng(5)
         sim = _sim(num_pages=300, max_num_seqs=24)
         digest = hashlib.sha256()

@@ -1,4 +1,4 @@
-"""Admission as a promise, a stage of the adaptive policy (``apt.py``; issue 44).
+"""Admission as a promise, part of the adaptive policy's stages (``policy.py``; issue 44).
 
 Three functions over one decision's ``Candidates`` and ``Plan``, with everything they read passed in:
 
