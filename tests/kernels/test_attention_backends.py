@@ -334,11 +334,13 @@ def test_rays_processes_on_the_node_are_moved_off_the_engine_cpus():
     child = subprocess.Popen([sys.executable, "-c", code, "ray::OwnChild"])
     skipped = subprocess.Popen(["sh", "-c", f'"{sys.executable}" -c "{code}" ray::EngineReplica & wait'])
     try:
-        def pid_of(mark):
+        def pid_of(mark):  # the python started by the shell (the shell's own command line has the mark too)
             for _ in range(50):
                 out = subprocess.run(["pgrep", "-f", mark], capture_output=True, text=True).stdout.split()
-                if out:
-                    return int(out[0])
+                for pid in map(int, out):
+                    with open(f"/proc/{pid}/stat") as f:
+                        if int(f.read().rsplit(")", 1)[1].split()[1]) != os.getpid():
+                            return pid
                 time.sleep(0.1)
             raise AssertionError(f"{mark} did not start")
 
