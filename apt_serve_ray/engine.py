@@ -251,8 +251,8 @@ class LLMEngine:
         self.last_step = None
         if len(self._observers) > 1 or out.preempted:
             self._emit_schedule_events(out, sched_now)
-        shed = [self._shed(r) for r in out.shed]
-        if out.is_empty or not (out.chunks or out.conversions or out.swap_out or out.swap_in):
+        shed = [self._shed(r) for r in out.shed]  # turned away by the policy: ended with an explicit error
+        if out.is_empty:
             return shed
         predicted = self.scheduler.predicted_seconds(out)
         t1 = self.clock()

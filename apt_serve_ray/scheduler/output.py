@@ -48,4 +48,4 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         """Nothing to run. A step that only swaps out still runs: the freed pages' bytes must reach
         the slots before any later step writes them."""
-        return not self.chunks and not self.conversions and not self.swap_out and not self.swap_in and not self.shed
+        return not self.chunks and not self.conversions and not self.swap_out and not self.swap_in
