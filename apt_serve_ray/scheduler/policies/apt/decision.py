@@ -78,6 +78,12 @@ class Decision:
         recompute is in the step-time model's own hidden term)."""
         return float(int8_seconds(self.per_page, self.c.held[rows], self.c.mem_kv[rows]).sum())
 
+    def decode_seconds(self, rows) -> float:
+        """The step-time model's seconds of a step that decodes ``rows`` (one token each)."""
+        c = self.c
+        context = c.num_computed[rows] + 1
+        return self.policy.step_model.predict(int(len(rows)), int(context.sum()), int(context[c.is_hidden[rows]].sum()))
+
     def step_target(self, rows) -> float | None:
         """The seconds a step may take: ``tbt_headroom`` x the tightest TBT target among ``rows`` that
         can still pass (a request whose gaps so far leave its P99 no way under its target is not

@@ -50,9 +50,7 @@ def prefill_scale(d: Decision) -> float:
     target = d.step_target(rows)
     if target is None:
         return p.slowdown
-    context = c.num_computed[rows] + 1
-    decode_s = p.step_model.predict(int(rows.size), int(context.sum()),
-                                    int(context[c.is_hidden[rows]].sum())) * p.slowdown
+    decode_s = d.decode_seconds(rows) * p.slowdown
     return p.slowdown / min(1.0, max(0.1, 1.0 - decode_s / target))
 
 

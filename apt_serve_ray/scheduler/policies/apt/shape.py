@@ -73,10 +73,7 @@ def step_budget(d: Decision) -> StepBudget:
     held_s = d.held_extra_s(rows) if p.step_model is not None else 0.0
     if target is None:
         return StepBudget(None, math.inf, extra_s=held_s)
-    hidden = c.is_hidden[rows]
-    context = c.num_computed[rows] + 1
-    decode_s = p.step_model.predict(int(rows.size), int(context.sum()), int(context[hidden].sum()))
-    budget = StepBudget(target, target / p.slowdown - decode_s)
+    budget = StepBudget(target, target / p.slowdown - d.decode_seconds(rows))
     budget.spend(held_s, extra=True)
     budget.spend(sampling_extra_s(p.sampling_costs, c, rows), extra=True)
     return budget
