@@ -1,5 +1,5 @@
-"""``from apt_serve.predictor import TrafficPredictor``: ``apt_serve_ray.predictor``'s."""
+"""``from apt_serve.predictor import TrafficPredictor``: ``apt_serve_ray.scheduler.predictor``'s."""
 
-from apt_serve_ray.predictor import Forecast, TrafficPredictor
+from apt_serve_ray.scheduler.predictor import Forecast, TrafficPredictor
 
 __all__ = ["Forecast", "TrafficPredictor"]

@@ -12,15 +12,15 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "LLM": "apt_serve_ray.llm",
-    "HybridCacheLLM": "apt_serve_ray.llm",
-    "SamplingParams": "apt_serve_ray.sampling_params",
-    "RequestOutputKind": "apt_serve_ray.sampling_params",
-    "RequestOutput": "apt_serve_ray.outputs",
-    "CompletionOutput": "apt_serve_ray.outputs",
+    "LLM": "apt_serve_ray.engine.llm",
+    "HybridCacheLLM": "apt_serve_ray.engine.llm",
+    "SamplingParams": "apt_serve_ray.sampling.params",
+    "RequestOutputKind": "apt_serve_ray.sampling.params",
+    "RequestOutput": "apt_serve_ray.engine.outputs",
+    "CompletionOutput": "apt_serve_ray.engine.outputs",
     "EngineConfig": "apt_serve_ray.config",
-    "LLMEngine": "apt_serve_ray.engine",
-    "AsyncLLMEngine": "apt_serve_ray.async_engine",
+    "LLMEngine": "apt_serve_ray.engine.llm_engine",
+    "AsyncLLMEngine": "apt_serve_ray.engine.async_engine",
     "CacheTracker": "apt_serve_ray.observability.tracker",
     "AdaptiveScheduler": "apt_serve_ray.scheduler.policies.apt",
 }

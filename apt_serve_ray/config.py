@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from apt_serve_ray.model_loader import DEFAULT_MODEL
+from apt_serve_ray.models.loader import DEFAULT_MODEL
 from apt_serve_ray.scheduler.watermarks import HEAVY_WATERMARK, HIDDEN_RATIO_STEP, LIGHT_WATERMARK, MAX_HIDDEN_RATIO
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -36,8 +36,10 @@ class EngineConfig:
     cache_proj_optimize: bool = True
     # CPUs the async engine's loop thread (and the OpenMP workers it starts) runs on; None: any.
     cpu_affinity: tuple[int, ...] | None = None
-    # AsyncLLMEngine: run the step loop in a process of its own (off the server's GIL).
-    engine_process: bool = False
+    # AsyncLLMEngine (the server's engine): run the step loop in a process of its own, off the server's
+    # GIL; measured through Serve on 2 CPU cores: saturated output 188 -> 233 tok/s, TPOT 12.8 -> 10.7 ms.
+    # False: on a thread of the caller's process. The offline ``LLM`` steps in the caller's thread either way.
+    engine_process: bool = True
     # Cache.
     block_size: int = 16
     cache_budget_bytes: int | None = None
@@ -68,7 +70,7 @@ class EngineConfig:
     # the one worth least by the requests that took it, their priority and the prefill it saves,
     # ageing) or "lru" (the least recently released, vLLM's rule).
     prefix_cache_retention: str = "value"
-    # The grammar library that masks structured outputs (``apt_serve_ray.structured``).
+    # The grammar library that masks structured outputs (``apt_serve_ray.sampling.structured``).
     structured_output_backend: str = "llguidance"
     # Batching.
     max_num_seqs: int = 64
@@ -130,7 +132,7 @@ class EngineConfig:
         if self.prefix_cache_retention not in RETENTIONS:
             raise ValueError(f"prefix_cache_retention: must be one of {list(RETENTIONS)}, "
                              f"got {self.prefix_cache_retention!r}")
-        from apt_serve_ray.structured import GRAMMAR_BACKENDS
+        from apt_serve_ray.sampling.structured import GRAMMAR_BACKENDS
 
         if self.structured_output_backend not in GRAMMAR_BACKENDS:
             raise ValueError(f"structured_output_backend: must be one of {list(GRAMMAR_BACKENDS)}, "

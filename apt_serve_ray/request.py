@@ -12,8 +12,8 @@ import enum
 import itertools
 import time
 
-from apt_serve_ray.gap_budget import GapBudget
-from apt_serve_ray.sampling_params import SamplingParams
+from apt_serve_ray.scheduler.gap_budget import GapBudget
+from apt_serve_ray.sampling.params import SamplingParams
 
 
 _arrival_order = itertools.count()

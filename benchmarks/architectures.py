@@ -4,7 +4,7 @@
         [--json docs/benchmarks/architectures.json]
 
 Each architecture's random-weight checkpoint at OPT-125m's sizes (``<arch>-125m`` in
-``apt_serve_ray.checkpoints``: 768 wide, 12 layers, 12 heads of 64, multi-head, 3072-wide MLP; OPT
+``apt_serve_ray.models.checkpoints``: 768 wide, 12 layers, 12 heads of 64, multi-head, 3072-wide MLP; OPT
 itself as ``opt-125m``) is loaded through the engine, and one whole engine step
 (``ModelRunner.execute``: batch preparation, forward, lm-head, sampling; KV pages on the device's
 fast attention backend) is timed on decode batches of B requests with ``--context`` tokens each, as
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_step import _DEFAULT_CACHE, build, decode_batch, time_step  # noqa: E402
 
 from apt_serve_ray.bench.report import machine_header  # noqa: E402
-from apt_serve_ray.checkpoints import make_random_checkpoint  # noqa: E402
+from apt_serve_ray.models.checkpoints import make_random_checkpoint  # noqa: E402
 from apt_serve_ray.request import CacheKind  # noqa: E402
 
 ARCHITECTURES = ["llama", "opt", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gemma3_text"]

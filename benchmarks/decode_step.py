@@ -41,10 +41,10 @@ from pathlib import Path
 import torch
 
 from apt_serve_ray import LLM
-from apt_serve_ray.calibration import _fake_request
-from apt_serve_ray.checkpoints import make_random_checkpoint
-from apt_serve_ray.cpu_info import cpu_name
-from apt_serve_ray.cpu_info import has_native_bf16 as cpu_has_native_bf16
+from apt_serve_ray.worker.calibration import _fake_request
+from apt_serve_ray.models.checkpoints import make_random_checkpoint
+from apt_serve_ray.worker.cpu_info import cpu_name
+from apt_serve_ray.worker.cpu_info import has_native_bf16 as cpu_has_native_bf16
 from apt_serve_ray.request import CacheKind
 from apt_serve_ray.scheduler.output import ScheduledChunk, SchedulerOutput
 
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
     p.add_argument("--profile-batch", type=int, default=8)
     p.add_argument("--profile-context", type=int, default=400)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--shape", default="opt-125m", help="checkpoint shape (apt_serve_ray.checkpoints.SHAPES), "
+    p.add_argument("--shape", default="opt-125m", help="checkpoint shape (apt_serve_ray.models.checkpoints.SHAPES), "
                    "e.g. opt-13b-2l: two layers of OPT-13B (hidden 5120, 40 heads)")
     p.add_argument("--cache-dir", type=Path, default=_DEFAULT_CACHE)
     p.add_argument("--json", type=Path)

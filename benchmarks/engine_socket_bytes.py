@@ -61,7 +61,7 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
 
     from apt_serve_ray import EngineConfig, LLMEngine, RequestOutputKind
-    from apt_serve_ray.checkpoints import make_random_checkpoint
+    from apt_serve_ray.models.checkpoints import make_random_checkpoint
 
     ckpt = make_random_checkpoint(a.cache_dir / a.shape, a.shape)
     pages = a.requests * (-(-a.context // 16) + 1) + 16

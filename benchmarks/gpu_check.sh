@@ -26,7 +26,7 @@ cd "$(dirname "$0")/.."
 assets=.gpu_check
 if [ "${1:-}" = prepare ]; then
     mkdir -p "$assets"
-    .venv/bin/python -c "import sys; from apt_serve_ray.checkpoints import _tokenizer; _tokenizer().save_pretrained(sys.argv[1])" \
+    .venv/bin/python -c "import sys; from apt_serve_ray.models.checkpoints import _tokenizer; _tokenizer().save_pretrained(sys.argv[1])" \
         "$assets/tokenizer"
     du -sh "$assets"
     exit 0
@@ -53,7 +53,7 @@ import importlib, os, sys, torch
 assert os.environ["CHECK_DEVICE"] == "cpu" or torch.cuda.is_available(), "no CUDA device: this script is for a GPU machine"
 missing = [m for m in ("triton", "transformers", "safetensors", "pytest") if importlib.util.find_spec(m) is None]
 assert not missing, f"missing Python packages: {missing}"
-import apt_serve_ray.engine  # noqa: F401  (the engine imports without Ray, gguf or the default model)
+import apt_serve_ray.engine.llm_engine  # noqa: F401  (the engine imports without Ray, gguf or the default model)
 print(f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU (dry run)'}; torch {torch.__version__}; CUDA {torch.version.cuda}; python {sys.version.split()[0]}")
 EOF
 status=0
@@ -84,7 +84,7 @@ requests at once (output tokens/s), per attention backend."""
 import json, os, statistics, sys, time
 import torch
 from apt_serve_ray import LLM, SamplingParams
-from apt_serve_ray.checkpoints import make_random_checkpoint
+from apt_serve_ray.models.checkpoints import make_random_checkpoint
 
 device, dtype, shape = os.environ["CHECK_DEVICE"], os.environ["CHECK_DTYPE"], os.environ["CHECK_WHOLE"]
 sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)

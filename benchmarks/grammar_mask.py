@@ -18,8 +18,8 @@ import time
 import torch
 
 from apt_serve_ray.bench.report import machine_header
-from apt_serve_ray.model_loader import DEFAULT_MODEL, load_tokenizer, resolve_model
-from apt_serve_ray.structured import GRAMMAR_BACKENDS, StructuredOutput, StructuredOutputs
+from apt_serve_ray.models.loader import DEFAULT_MODEL, load_tokenizer, resolve_model
+from apt_serve_ray.sampling.structured import GRAMMAR_BACKENDS, StructuredOutput, StructuredOutputs
 
 SCHEMA = {
     "type": "object",

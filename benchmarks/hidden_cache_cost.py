@@ -26,7 +26,7 @@ turned into seconds with this machine's measured bf16 GEMM rate for that project
 ([B*L, hidden] x [hidden, 2*hidden]). The hidden path also gathers x (half the bytes of K+V)
 instead of K and V, so the measured extra can come out a little below the model.
 
-``rho`` is ``apt_serve_ray.calibration.calibrate_rho`` on the same runner: the time to recompute one
+``rho`` is ``apt_serve_ray.worker.calibration.calibrate_rho`` on the same runner: the time to recompute one
 KV page (block_size tokens) of K/V in all layers, the figure the adaptive scheduler prices with.
 """
 
@@ -44,8 +44,8 @@ import torch
 import torch.nn.functional as F
 
 from apt_serve_ray import LLM, SamplingParams
-from apt_serve_ray.calibration import calibrate_rho
-from apt_serve_ray.checkpoints import make_random_checkpoint
+from apt_serve_ray.worker.calibration import calibrate_rho
+from apt_serve_ray.models.checkpoints import make_random_checkpoint
 from apt_serve_ray.request import CacheKind
 from apt_serve_ray.scheduler.policies.base import admit_waiting
 

@@ -41,8 +41,8 @@ from pathlib import Path
 import torch
 
 from apt_serve_ray import LLM, SamplingParams
-from apt_serve_ray.checkpoints import SHAPES, make_random_checkpoint
-from apt_serve_ray.cpu_info import cpu_flags, cpu_name
+from apt_serve_ray.models.checkpoints import SHAPES, make_random_checkpoint
+from apt_serve_ray.worker.cpu_info import cpu_flags, cpu_name
 from apt_serve_ray.request import CacheKind
 from apt_serve_ray.scheduler.output import ScheduledChunk
 

@@ -80,7 +80,7 @@ from apt_serve_ray.bench.slo_metrics import (  # noqa: E402
 )
 from apt_serve_ray.bench.mixed_trace import TrafficClass, make_mixed_trace  # noqa: E402
 from apt_serve_ray.bench.workloads import ServiceClass, Uniform, WorkloadSpec, fill_token_ids, fresh_token_ids, with_rate  # noqa: E402
-from apt_serve_ray.cpu_info import cpu_name, has_native_bf16  # noqa: E402
+from apt_serve_ray.worker.cpu_info import cpu_name, has_native_bf16  # noqa: E402
 
 _DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "apt-serve-ray"
 _REPO = Path(__file__).resolve().parents[1]
@@ -242,7 +242,7 @@ def engine_options(name: str, args) -> dict:
 def run_engine(args) -> dict:
     from apt_serve_ray import LLM
     from apt_serve_ray.bench.driver import replay
-    from apt_serve_ray.checkpoints import make_random_checkpoint
+    from apt_serve_ray.models.checkpoints import make_random_checkpoint
 
     path = make_random_checkpoint(args.cache_dir / "opt-125m-bf16", "opt-125m", dtype="bfloat16")
     engines = {name: LLM(path, **engine_options(name, args)) for name in args.policies}
@@ -383,7 +383,7 @@ def server_steps(port: int, origin: float, duration_s: float) -> list[dict] | No
 def run_serve(args) -> dict:
     from online_client import replay as http_replay
 
-    from apt_serve_ray.checkpoints import make_random_checkpoint
+    from apt_serve_ray.models.checkpoints import make_random_checkpoint
 
     ckpt = make_random_checkpoint(args.cache_dir / "opt-125m-bf16", "opt-125m", dtype="bfloat16")
     results = {}

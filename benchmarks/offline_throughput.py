@@ -38,8 +38,8 @@ from pathlib import Path
 import torch
 
 from apt_serve_ray import LLM, SamplingParams
-from apt_serve_ray.cpu_info import cpu_name, has_native_bf16
-from apt_serve_ray.checkpoints import make_random_checkpoint
+from apt_serve_ray.worker.cpu_info import cpu_name, has_native_bf16
+from apt_serve_ray.models.checkpoints import make_random_checkpoint
 
 _DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "apt-serve-ray"
 
@@ -308,7 +308,7 @@ def print_table(results: list[dict]) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cache-dir", type=Path, default=_DEFAULT_CACHE, help="where the random checkpoint is kept")
-    ap.add_argument("--shape", default="opt-125m", help="random-weight checkpoint shape (apt_serve_ray.checkpoints.SHAPES)")
+    ap.add_argument("--shape", default="opt-125m", help="random-weight checkpoint shape (apt_serve_ray.models.checkpoints.SHAPES)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="the engine's dtype (float32 on a CPU without native bf16)")
     ap.add_argument("--num-pages", type=int, default=None,

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import aiohttp  # noqa: E402
 
 from apt_serve_ray.bench import plots, slo_metrics, workloads  # noqa: E402
-from apt_serve_ray.cpu_info import cpu_name, has_native_bf16  # noqa: E402
+from apt_serve_ray.worker.cpu_info import cpu_name, has_native_bf16  # noqa: E402
 from online_client import first_model, replay  # noqa: E402
 
 DEFAULT_RATES = {"sharegpt": (0.5, 1.0, 1.5, 2.0, 3.0), "longbench": (0.15, 0.3, 0.45, 0.6, 0.9)}

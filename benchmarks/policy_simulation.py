@@ -5,7 +5,7 @@ is a study tool beside ``serving_policies.py`` (real runs), not a replacement fo
     python benchmarks/policy_simulation.py [--workloads sharegpt longbench] [--json out.json]
 
 Default cost model: the one calibrated on this project's 2-core CPU machines for the OPT-125m shape
-in bfloat16 (``apt_serve_ray.calibration``): 19.5 ms per step + 1.13 ms per computed token + 15 us
+in bfloat16 (``apt_serve_ray.worker.calibration``): 19.5 ms per step + 1.13 ms per computed token + 15 us
 per context token of every scheduled request + 139 us per context token of hidden requests (the
 K/V recompute), measured before the engine's C++ attention kernels. ``--calibrate PATH`` measures
 one for a checkpoint with today's engine instead (what the engine's own ``apt`` measures at start:

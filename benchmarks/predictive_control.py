@@ -51,7 +51,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from apt_serve_ray.bench import workloads  # noqa: E402
 from apt_serve_ray.bench.slo_metrics import passes_slo, summarize  # noqa: E402
-from apt_serve_ray.predictor import TrafficPredictor, mape  # noqa: E402
+from apt_serve_ray.scheduler.predictor import TrafficPredictor, mape  # noqa: E402
 
 APP = "predictive-bench"
 MODES = ("predictive", "reactive", "none")
@@ -308,7 +308,7 @@ def main() -> None:
     import ray
     from ray import serve
 
-    from apt_serve_ray.checkpoints import make_random_checkpoint
+    from apt_serve_ray.models.checkpoints import make_random_checkpoint
     from deployments.app import build_app
 
     model = make_random_checkpoint(ROOT / ".cache" / "checkpoints" / a.shape, a.shape)

@@ -51,7 +51,7 @@ from apt_serve_ray.bench.conversations import (ConversationSpec, Session, make_s
                                              shared_token_share)
 from apt_serve_ray.bench.slo_metrics import RequestTimeline, effective_throughput, p99_gap_ms, passes_slo, ttft_ms  # noqa: E402
 from apt_serve_ray.bench.workloads import Uniform  # noqa: E402
-from apt_serve_ray.cpu_info import cpu_name, has_native_bf16  # noqa: E402
+from apt_serve_ray.worker.cpu_info import cpu_name, has_native_bf16  # noqa: E402
 
 _REPO = Path(__file__).resolve().parents[1]
 
@@ -195,7 +195,7 @@ def run_serve(args, save=None) -> dict:
     server that fails to start later."""
     import mixed_traffic as mt
 
-    from apt_serve_ray.checkpoints import make_random_checkpoint
+    from apt_serve_ray.models.checkpoints import make_random_checkpoint
 
     ckpt = make_random_checkpoint(args.cache_dir / "opt-125m-bf16", "opt-125m", dtype="bfloat16")
     spec = spec_of(args)

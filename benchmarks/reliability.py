@@ -331,7 +331,7 @@ def start_serve(address: str | None, num_cpus: int | None) -> None:
 def default_model() -> str:
     import tempfile
 
-    from apt_serve_ray.checkpoints import make_random_checkpoint
+    from apt_serve_ray.models.checkpoints import make_random_checkpoint
 
     return make_random_checkpoint(Path(tempfile.gettempdir()) / "apt-reliability" / "opt-tiny", "opt-tiny")
 

@@ -28,11 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from grammar_mask import SCHEMA  # noqa: E402
 
 from apt_serve_ray.bench.report import machine_header  # noqa: E402
-from apt_serve_ray.model_loader import DEFAULT_MODEL, load_tokenizer, resolve_model  # noqa: E402
+from apt_serve_ray.models.loader import DEFAULT_MODEL, load_tokenizer, resolve_model  # noqa: E402
 from apt_serve_ray.request import Request  # noqa: E402
-from apt_serve_ray.sampler import Sampler  # noqa: E402
-from apt_serve_ray.sampling_params import SamplingParams  # noqa: E402
-from apt_serve_ray.structured import StructuredOutput, StructuredOutputs  # noqa: E402
+from apt_serve_ray.sampling.sampler import Sampler  # noqa: E402
+from apt_serve_ray.sampling.params import SamplingParams  # noqa: E402
+from apt_serve_ray.sampling.structured import StructuredOutput, StructuredOutputs  # noqa: E402
 
 SETTINGS = {
     "plain": {},

@@ -25,7 +25,7 @@ from apt_serve_ray.bench.report import machine_header  # noqa: E402
 
 # (role, substring of the command line), first match wins.
 ROLES = (
-    ("engine process", "apt_serve_ray.engine_process"),
+    ("engine process", "apt_serve_ray.engine.process"),
     ("engine replica", "ServeReplica:default:EngineReplica"),
     ("router", "ServeReplica:default:Router"),
     ("controller (ours)", "ServeReplica:default:Controller"),

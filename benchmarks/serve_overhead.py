@@ -185,7 +185,7 @@ def main() -> None:
 
     args = app_args(a)
     config = AppArgs.model_validate(args).engine_config()
-    from apt_serve_ray.model_loader import load_tokenizer, resolve_model
+    from apt_serve_ray.models.loader import load_tokenizer, resolve_model
 
     requests = prompts(a, len(load_tokenizer(resolve_model(a.model))))
     print(f"model {a.model}: {a.num_requests} requests of {a.prompt_len} prompt tokens -> {a.max_tokens} tokens, "

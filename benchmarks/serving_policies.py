@@ -67,13 +67,13 @@ import time
 from pathlib import Path
 
 from apt_serve_ray import LLM
-from apt_serve_ray import cpu_info
+from apt_serve_ray.worker import cpu_info
 from apt_serve_ray.bench import plots
 from apt_serve_ray.bench.driver import measure_unloaded_latency, replay, replay_simulated
 from apt_serve_ray.bench.simulator import MHA_LAYOUT, CostModel, SimulatedEngine
 from apt_serve_ray.bench.slo_metrics import effective_throughput, format_ratio
 from apt_serve_ray.bench.workloads import make_trace, with_rate
-from apt_serve_ray.checkpoints import make_random_checkpoint
+from apt_serve_ray.models.checkpoints import make_random_checkpoint
 from apt_serve_ray.config import EngineConfig
 from apt_serve_ray.scheduler.policies.apt import AdaptiveScheduler
 

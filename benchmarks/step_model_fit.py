@@ -23,7 +23,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from apt_serve_ray.bench.report import machine_header  # noqa: E402
-from apt_serve_ray.calibration import _fake_request, step_time_model  # noqa: E402
+from apt_serve_ray.worker.calibration import _fake_request, step_time_model  # noqa: E402
 from apt_serve_ray.request import CacheKind  # noqa: E402
 from apt_serve_ray.scheduler.costs import chunk_pairs  # noqa: E402
 from apt_serve_ray.scheduler.output import ScheduledChunk, SchedulerOutput  # noqa: E402
@@ -78,7 +78,7 @@ def main(argv=None) -> None:
     import torch
 
     from apt_serve_ray import LLM
-    from apt_serve_ray.checkpoints import make_random_checkpoint
+    from apt_serve_ray.models.checkpoints import make_random_checkpoint
 
     torch.set_num_threads(args.threads)
     cache = Path.home() / ".cache" / "apt-serve-ray"

@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 from apt_serve_ray import LLM
-from apt_serve_ray.calibration import _fake_request, calibrate_rho, step_time_model
-from apt_serve_ray.checkpoints import make_random_checkpoint
+from apt_serve_ray.worker.calibration import _fake_request, calibrate_rho, step_time_model
+from apt_serve_ray.models.checkpoints import make_random_checkpoint
 from apt_serve_ray.request import CacheKind
 from apt_serve_ray.scheduler.output import ScheduledChunk, SchedulerOutput
 

@@ -8,7 +8,7 @@
 #   VLLM_ARGS / OURS_ARGS: extra server arguments (e.g. VLLM_ARGS="--kv-cache-dtype fp8",
 #   OURS_ARGS="cache_kinds=[hidden,kv-int8,hidden-int8] cache_ratio=0.5"), TAG: a label suffix for them;
 #   WORKLOADS="longbench" sweeps one workload only; LONGBENCH_RATES="0.6 1.2 1.8 2.4" replaces its rates.
-#   SHAPE=opt-350m or tinyllama-1.1b: a bigger random-weight checkpoint (apt_serve_ray.checkpoints.SHAPES;
+#   SHAPE=opt-350m or tinyllama-1.1b: a bigger random-weight checkpoint (apt_serve_ray.models.checkpoints.SHAPES;
 #   labels get the shape); PROBE_ARGS: the probe's sizes for it (e.g. "--probe-single 2 --probe-saturated 16
 #   --probe-input-len 256 --probe-output-len 64": at 1.1B in fp32 a 384-token prefill takes ~7 s here).
 #
@@ -26,7 +26,7 @@ export HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0
 PY=.venv/bin/python
 shape=${SHAPE:-opt-125m}
 CKPT=$HOME/.cache/apt-serve-ray/$shape-bf16  # for opt-125m: the random-weight checkpoint serving_policies.py writes
-$PY -c "import sys; from apt_serve_ray.checkpoints import make_random_checkpoint as m; m(sys.argv[1], sys.argv[2], dtype='bfloat16')" "$CKPT" "$shape"
+$PY -c "import sys; from apt_serve_ray.models.checkpoints import make_random_checkpoint as m; m(sys.argv[1], sys.argv[2], dtype='bfloat16')" "$CKPT" "$shape"
 OUT=docs/benchmarks/compare
 mkdir -p "$OUT"
 short=${dtype/bfloat16/bf16}; short=${short/float32/fp32}

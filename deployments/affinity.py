@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from apt_serve_ray import cpu_affinity
+from apt_serve_ray.worker import cpu_affinity
 
 logger = logging.getLogger("ray.serve")
 

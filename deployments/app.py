@@ -20,13 +20,13 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from apt_serve_ray.config import EngineConfig
-from apt_serve_ray.model_loader import DEFAULT_MODEL
+from apt_serve_ray.models.loader import DEFAULT_MODEL
 from apt_serve_ray.scheduler.registry import make_policy
 from apt_serve_ray.scheduler.value import FAIRNESS_PENALTY, MAX_WAIT_S, ValueWeights
 from deployments.admission import ADMISSION_WEIGHTS
 from deployments.auth import resolve_keys
-from deployments.controller import Controller
-from deployments.engine_replica import EngineReplica
+from deployments.controller import Controller, ControllerOptions
+from deployments.engine_replica import EngineReplica, ReplicaOptions
 from deployments.request_router import OUTPUT_HORIZON_TOKENS, FitAwareRequestRouter
 from deployments.request_body import MAX_REQUEST_BODY_BYTES
 from deployments.router import Router, RouterOptions
@@ -74,15 +74,12 @@ class _AppArgs(BaseModel):
     num_gpus_per_replica: NonNegativeFloat = 0.0
     num_cpus_per_router: NonNegativeFloat = 0.0
     # With num_threads set: each engine replica's compute thread(s) get CPUs of their own on its node,
-    # and the Serve processes and threads of the app are kept off them (apt_serve_ray/cpu_affinity.py).
+    # and the Serve processes and threads of the app are kept off them (apt_serve_ray/worker/cpu_affinity.py).
     pin_cpus: bool = True
     # Engine: every EngineConfig field is an argument too (None: EngineConfig's default), among them
     # the watermarks the controller applies cluster-wide (light_watermark, heavy_watermark,
     # max_hidden_ratio, hidden_ratio_step). policy_weights: the policy's keyword arguments.
     policy_weights: dict[str, float] = Field(default_factory=dict)
-    # The engine's step loop in a process of its own, off the replica's GIL (apt_serve_ray/engine_process.py);
-    # measured through Serve on 2 CPU cores: saturated output 188 -> 233 tok/s, TPOT 12.8 -> 10.7 ms.
-    engine_process: bool = True
     engine_options: dict[str, Any] = Field(default_factory=dict)  # older spelling of engine arguments
     # Streaming: after the first token, at most one item per stream_interval_s seconds goes from a replica
     # to the router (never more than a quarter of the request's TBT target); the tokens of the steps in
@@ -102,7 +99,7 @@ class _AppArgs(BaseModel):
     # passed), or "refuse" them at once with 503 + Retry-After. "hold" by default: refusing at once cost
     # more attainment than the preemptions it spared on the on/off runs (docs/benchmarks.md, issue 14).
     heavy_watermark_action: Literal["hold", "refuse"] = "hold"
-    # With predictive_control the controller forecasts arrivals (apt_serve_ray/predictor.py) from what the
+    # With predictive_control the controller forecasts arrivals (apt_serve_ray/scheduler/predictor.py) from what the
     # routers receive and acts forecast_horizon_s ahead: ratios rise, and the routers let only
     # predictive_admission_share of their in-flight slots through, before a forecast peak crosses the
     # light / heavy watermark (1, the default: admission is not tightened on a forecast; measured to
@@ -117,6 +114,8 @@ class _AppArgs(BaseModel):
     max_in_flight_per_replica: Optional[PositiveInt] = None  # default: the engine's max_num_seqs
     max_queued_requests: int = Field(1024, ge=0)
     admission_weights: Optional[AdmissionWeights] = None  # None: the engine policy's (``admission_weights``)
+    # None: a request's urgency rises over its whole TTFT target, as in the engine's value model.
+    urgency_slack_s: Optional[PositiveFloat] = None
     output_horizon_tokens: PositiveInt = OUTPUT_HORIZON_TOKENS
     routing_stats_period_s: PositiveFloat = 1.0
     health_check_period_s: PositiveFloat = 5.0
@@ -152,7 +151,7 @@ class _AppArgs(BaseModel):
         twice = sorted(set(self.engine_options) & set(given))
         if twice:
             raise ValueError(f"engine_options: {twice[0]!r} is also given as an app argument; give it once")
-        return EngineConfig(model=self.model, tokenizer=self.tokenizer, engine_process=self.engine_process,
+        return EngineConfig(model=self.model, tokenizer=self.tokenizer,
                             enable_watermarks=False, **given, **self.engine_options)
 
 
@@ -212,11 +211,12 @@ def build_app(args: AppArgs | dict) -> Application:
     engine_config = config.replace(policy_options=policy_kwargs(args, config) or None)
     pin = args.pin_cpus and config.num_threads is not None
     engine_cpus = {"num_engine_replicas": args.num_replicas, "num_threads": config.num_threads} if pin else None
-    controller = Controller.options(ray_actor_options={"num_cpus": 0}).bind(
-        config, interval_s=args.control_interval_s, retry_after_s=args.retry_after_s,
-        model=args.served_model_name or args.model, mirror_metrics=args.mirror_metrics, engine_cpus=engine_cpus,
+    name = args.served_model_name or args.model
+    controller = Controller.options(ray_actor_options={"num_cpus": 0}).bind(config, ControllerOptions(
+        interval_s=args.control_interval_s, retry_after_s=args.retry_after_s, model=name,
+        mirror_metrics=args.mirror_metrics, engine_cpus=engine_cpus,
         prediction={"horizon_s": args.forecast_horizon_s, "history_s": args.forecast_history_s,
-                    "admission_share": args.predictive_admission_share} if args.predictive_control else None)
+                    "admission_share": args.predictive_admission_share} if args.predictive_control else None))
     engine = EngineReplica.options(
         num_replicas=args.num_replicas,
         ray_actor_options={"num_cpus": args.num_cpus_per_replica, "num_gpus": args.num_gpus_per_replica},
@@ -228,16 +228,16 @@ def build_app(args: AppArgs | dict) -> Application:
                                    "default_tokens_per_page": config.block_size},
             request_routing_stats_period_s=args.routing_stats_period_s,
             request_routing_stats_timeout_s=max(args.routing_stats_period_s, 5.0)),
-    ).bind(engine_config, controller, None, args.control_interval_s, {
-        "model_name": args.served_model_name or args.model, "tracing_exporter": args.tracing_exporter,
-        "mirror_metrics": args.mirror_metrics}, pin, stream_interval_s=args.stream_interval_s,
-        stream_items_per_s=args.stream_items_per_s or None)
+    ).bind(engine_config, controller, ReplicaOptions(
+        model_name=name, report_interval_s=args.control_interval_s, pin_cpus=pin,
+        stream_interval_s=args.stream_interval_s, stream_items_per_s=args.stream_items_per_s or None,
+        tracing_exporter=args.tracing_exporter, mirror_metrics=args.mirror_metrics))
     max_in_flight = (args.max_in_flight_per_replica or config.max_num_seqs) * args.num_replicas
     router_options = RouterOptions(
         model=args.model, served_model_name=args.served_model_name, tokenizer=args.tokenizer,
         default_ttft_slo_ms=config.default_ttft_slo_ms, output_horizon_tokens=args.output_horizon_tokens,
         max_in_flight=max(1, max_in_flight // args.num_routers), max_queued_requests=args.max_queued_requests,
-        admission_weights=admission_weights(args, config),
+        admission_weights=admission_weights(args, config), urgency_slack_s=args.urgency_slack_s,
         max_wait_s=policy_kwargs(args, config).get("max_wait_time", MAX_WAIT_S),
         fairness_penalty=policy_kwargs(args, config).get("fairness_penalty", FAIRNESS_PENALTY),
         service_classes=args.service_classes, default_service_class=args.default_service_class,

@@ -46,7 +46,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from apt_serve_ray.predictor import Forecast, TrafficPredictor
+from apt_serve_ray.scheduler.predictor import Forecast, TrafficPredictor
 from apt_serve_ray.scheduler.watermarks import Watermarks
 from deployments.wire import ArrivalCount, ControllerDecision, Knobs, LoadReport
 

@@ -18,7 +18,9 @@ import logging
 import math
 import time
 from collections import deque
+from typing import Optional
 
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat
 from ray import serve
 
 from apt_serve_ray.config import EngineConfig
@@ -32,24 +34,38 @@ logger = logging.getLogger("ray.serve")
 RATIO_DWELL_S = 2.0  # a ratio falls only after its signal has stayed low this long (ControlSettings)
 
 
+class ControllerOptions(BaseModel):
+    """The controller's settings besides the replicas' ``EngineConfig``, validated once (``app.py`` builds
+    them from the app's arguments, where their defaults are). ``interval_s``: how often it decides;
+    ``retry_after_s``: the Retry-After of a 503 while admission is closed; ``engine_cpus``: CPUs kept for
+    the engines (``affinity.keep_off_engine_cpus``); ``prediction``: ``{"horizon_s", "history_s",
+    "admission_share"}`` turns predictive control on (None: reactive only)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+    interval_s: PositiveFloat
+    retry_after_s: PositiveFloat
+    model: str
+    mirror_metrics: bool
+    engine_cpus: Optional[dict]
+    prediction: Optional[dict[str, float]] = Field(...)
+
+
 @serve.deployment(num_replicas=1, max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0},
                   logging_config={"enable_access_log": False})  # heartbeats would flood the log
 class Controller:
-    async def __init__(self, engine_config: EngineConfig, interval_s: float, retry_after_s: float, model: str = "",
-                       mirror_metrics: bool = False, engine_cpus: dict | None = None,
-                       prediction: dict | None = None) -> None:
+    async def __init__(self, engine_config: EngineConfig, options: ControllerOptions) -> None:
         """``engine_config``: the replicas' config; its watermark fields (and ``cache_ratio``, the base
-        the ratio falls back to) are the controller's. ``prediction``: ``{"horizon_s", "history_s",
-        "admission_share"}`` turns predictive control on (None: reactive only)."""
-        keep_off_engine_cpus(engine_cpus)
-        c = engine_config
+        the ratio falls back to) are the controller's."""
+        keep_off_engine_cpus(options.engine_cpus)
+        c, interval_s, prediction = engine_config, options.interval_s, options.prediction
         self.control = ClusterControl(ControlSettings(
             c.light_watermark, c.heavy_watermark, c.max_hidden_ratio, c.hidden_ratio_step, base_ratio=c.cache_ratio,
             stale_after_s=max(2.0, 5 * interval_s), ratio_dwell=max(1, math.ceil(RATIO_DWELL_S / interval_s)),
             predictive=prediction is not None, **(prediction or {})))
-        self.interval_s, self.retry_after_s = interval_s, retry_after_s
+        self.interval_s, self.retry_after_s = interval_s, options.retry_after_s
         self.decisions: deque[ControllerDecision] = deque(maxlen=200)
-        self._backend = make_backend({"model": model}, mirror_metrics)
+        self._backend = make_backend({"model": options.model}, options.mirror_metrics)
         self.metrics = ControllerMetrics(self._backend)
         self._loop = asyncio.create_task(self._control_loop())
 

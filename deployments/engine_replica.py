@@ -26,13 +26,16 @@ import hashlib
 import io
 import logging
 import time
+from typing import Literal, Optional
 
 import ray
+from pydantic import BaseModel, ConfigDict, NonNegativeFloat, PositiveFloat
 from ray import serve
 from ray.serve import context as serve_context
 
-from apt_serve_ray import AsyncLLMEngine, EngineConfig, cpu_affinity
-from apt_serve_ray.engine_process import EngineObservers
+from apt_serve_ray import AsyncLLMEngine, EngineConfig
+from apt_serve_ray.worker import cpu_affinity
+from apt_serve_ray.engine.process import EngineObservers
 from apt_serve_ray.observability.tracing import finished_spans
 from apt_serve_ray.observability.tracker import plot_memory_timeline
 from deployments.metrics import make_backend, snapshot
@@ -59,34 +62,40 @@ def replica_seed(base: int, replica_id: str) -> int:
     return int.from_bytes(digest, "little")
 
 
+class ReplicaOptions(BaseModel):
+    """An engine replica's settings besides its ``EngineConfig``, validated once (``app.py`` builds them
+    from the app's arguments, where their defaults are; the replica has none of its own).
+
+    ``report_interval_s``: how often the replica reports its load to the controller. ``pin_cpus``: give
+    the engine's compute thread CPUs of its own (``apt_serve_ray.worker.cpu_affinity``) and keep this
+    process's other threads off them; needs ``num_threads``. ``stream_interval_s``: after the first
+    token, a request's stream sends at most one item per this many seconds (the tokens in between travel
+    together), and never more than a quarter of the request's TBT target (``deployments.streaming``).
+    ``stream_items_per_s``: the items per second this replica sends over all its streams, once
+    ``stream_interval_s`` would send more: with n streams each waits ``n / stream_items_per_s`` (still at
+    most a quarter of its TBT target); None: no such bound. ``model_name``, ``tracing_exporter``,
+    ``mirror_metrics``: the metric tag, where spans go, whether metric values are kept in memory too."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+    model_name: str
+    report_interval_s: PositiveFloat
+    pin_cpus: bool
+    stream_interval_s: NonNegativeFloat
+    stream_items_per_s: Optional[PositiveFloat]
+    tracing_exporter: Literal["none", "console", "otlp", "memory"]
+    mirror_metrics: bool
+
+
 @serve.deployment(max_ongoing_requests=256, health_check_period_s=5.0)
 class EngineReplica:
-    async def __init__(self, engine_config: EngineConfig, controller=None, policy_options: dict | None = None,
-                       report_interval_s: float = 0.5, observability: dict | None = None,
-                       pin_cpus: bool = False, stream_interval_s: float = 0.0,
-                       stream_items_per_s: float | None = None) -> None:
+    async def __init__(self, engine_config: EngineConfig, controller, options: ReplicaOptions) -> None:
         """``engine_config``: its watermarks are the ones the memory timeline draws (in the app, the
-        controller's; the engine's own rule is off there).
-        ``observability``: ``{"model_name", "tracing_exporter", "mirror_metrics"}`` (all optional;
-        with ``engine_config.engine_process`` the engine, its spans and its timeline live in a process of
-        its own, and its metrics are replayed here).
-        ``pin_cpus``: give the engine's compute thread CPUs of its own (``apt_serve_ray.cpu_affinity``)
-        and keep this process's other threads off them; needs ``num_threads``.
-        ``stream_interval_s``: after the first token, a request's stream sends at most one item per
-        this many seconds (the tokens in between travel together), and never more than a quarter of
-        the request's TBT target (``deployments.streaming.coalesced``). ``stream_items_per_s``: the
-        items per second this replica sends over all its streams, once ``stream_interval_s`` would
-        send more: with n streams each waits ``n / stream_items_per_s`` (still at most a quarter of
-        its TBT target). None: no such bound."""
-        if stream_interval_s < 0:
-            raise ValueError(f"stream_interval_s: must be >= 0, got {stream_interval_s}")
-        if stream_items_per_s is not None and not stream_items_per_s > 0:
-            raise ValueError(f"stream_items_per_s: must be > 0 (or None: unbounded), got {stream_items_per_s}")
-        self._stream_interval_s, self._stream_items_per_s = stream_interval_s, stream_items_per_s
+        controller's; the engine's own rule is off there); with ``engine_config.engine_process`` the
+        engine, its spans and its timeline live in a process of its own, and its metrics are replayed
+        here. ``controller``: the controller's handle (None: no heartbeat)."""
+        self._stream_interval_s, self._stream_items_per_s = options.stream_interval_s, options.stream_items_per_s
         self._num_streams = 0  # requests past their first token, streaming
-        if policy_options:
-            engine_config = engine_config.replace(policy_options={**(engine_config.policy_options or {}),
-                                                                   **policy_options})
         _route_engine_logs()
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
@@ -94,16 +103,15 @@ class EngineReplica:
         # would draw the same numbers. Requests with their own ``seed`` are reproducible on any replica.
         engine_config = engine_config.replace(seed=replica_seed(engine_config.seed, self.replica_id))
         compute_cpus = None
-        if pin_cpus and engine_config.num_threads and engine_config.cpu_affinity is None:
+        if options.pin_cpus and engine_config.num_threads and engine_config.cpu_affinity is None:
             rank = getattr(context, "rank", None)
             compute_cpus = cpu_affinity.engine_cpus(getattr(rank, "local_rank", 0) or 0, engine_config.num_threads)
             if compute_cpus is not None:
                 engine_config = engine_config.replace(cpu_affinity=tuple(compute_cpus))
-        obs = observability or {}
-        self._metrics = make_backend({}, obs.get("mirror_metrics", False))
+        self._metrics = make_backend({}, options.mirror_metrics)
         observers = EngineObservers(
-            metric_tags={"model": obs.get("model_name") or engine_config.model, "replica": self.replica_id},
-            tracing_exporter=obs.get("tracing_exporter", "none"), tracker=True, tracker_min_interval_s=0.1,
+            metric_tags={"model": options.model_name, "replica": self.replica_id},
+            tracing_exporter=options.tracing_exporter, tracker=True, tracker_min_interval_s=0.1,
             tracker_max_samples=36_000)
         self.engine = AsyncLLMEngine(engine_config, observers=observers, metrics_backend=self._metrics)
         self.actor_name = ray.get_runtime_context().get_actor_name()
@@ -130,7 +138,7 @@ class EngineReplica:
         self._applied_ratio: float | None = None
         self._is_pressured = False  # the controller's last word, passed on to the request router
         self._controller = controller
-        self._report_interval_s = report_interval_s
+        self._report_interval_s = options.report_interval_s
         self._reporter = asyncio.create_task(self._report_loop()) if controller is not None else None
         logger.info("engine replica %s ready: model %s, %d pages", self.replica_id, self.model,
                     self.engine.cache_stats().num_pages)

@@ -14,7 +14,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from apt_serve_ray.structured import StructuredOutput
+from apt_serve_ray.sampling.structured import StructuredOutput
 
 
 class APIError(ValueError):

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from apt_serve_ray import SamplingParams
-from apt_serve_ray.llm import apply_chat_template
+from apt_serve_ray.engine.llm import apply_chat_template
 from deployments import openai_protocol as oai
 from deployments.admission import Ticket
 from deployments.request_router import request_pages

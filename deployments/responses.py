@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 from typing import AsyncIterator
 
-from apt_serve_ray.outputs import OVERLOADED
+from apt_serve_ray.engine.outputs import OVERLOADED
 from deployments import openai_protocol as oai
 from deployments.controller_link import RETRY_AFTER_S
 from deployments import tools

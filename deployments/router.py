@@ -43,19 +43,19 @@ from ray.serve import context as serve_context
 from ray.exceptions import RayError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from apt_serve_ray.model_loader import generation_defaults, load_tokenizer, resolve_model
+from apt_serve_ray.models.loader import generation_defaults, load_tokenizer, resolve_model
 from apt_serve_ray.observability.metrics import NO_SERVICE_CLASS
 from apt_serve_ray.observability.tracing import configure_tracing, finished_spans
-from apt_serve_ray.scheduler.value import FAIRNESS_PENALTY, MAX_WAIT_S, ValueWeights
+from apt_serve_ray.scheduler.value import ValueWeights
 from deployments import openai_protocol as oai
 from deployments import auth, responses
-from deployments.admission import ADMISSION_WEIGHTS, AdmissionQueue, QueueFull
+from deployments.admission import AdmissionQueue, QueueFull
 from deployments.affinity import keep_off_engine_cpus
 from deployments.metrics import RouterMetrics, make_backend, snapshot
-from deployments.request_body import MAX_REQUEST_BODY_BYTES, read_body
+from deployments.request_body import read_body
 from deployments.prefix_affinity import fits_beside_cached_prefix, process_index
 from deployments.preparation import ModelLimits, Prepared, RequestPreparer
-from deployments.service_classes import DEFAULT_SERVICE_CLASS, HEADER, SERVICE_CLASSES, ServiceClass, ServiceClasses
+from deployments.service_classes import HEADER, ServiceClass, ServiceClasses
 from deployments.streaming import coalesced
 from deployments.controller_link import ControllerLink
 from deployments.wire import EngineRequest, InvalidRequest, StreamItem
@@ -66,34 +66,35 @@ logger = logging.getLogger("ray.serve")
 
 
 class RouterOptions(BaseModel):
-    """The router's settings, validated once (``app.py`` builds them from the app's arguments)."""
+    """The router's settings, validated once (``app.py`` builds them from the app's arguments, where their
+    defaults are; the router has none of its own)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
     model: str
-    served_model_name: Optional[str] = None  # None: the model's name
-    tokenizer: Optional[str] = None  # None: the model's own
+    served_model_name: Optional[str]  # None: the model's name
+    tokenizer: Optional[str]  # None: the model's own
     default_ttft_slo_ms: PositiveFloat  # for requests that name no ``ttft_slo_ms`` (admission urgency)
     output_horizon_tokens: PositiveInt  # output a request is assumed to reach, for its admission pages
     max_in_flight: PositiveInt  # requests this router lets through to the engines at once
     max_queued_requests: NonNegativeInt  # requests waiting for a slot before new ones get 429
-    admission_weights: ValueWeights = ADMISSION_WEIGHTS  # the admission score's (``admission.py``)
-    service_classes: dict[str, ServiceClass] = SERVICE_CLASSES  # checked by ``ServiceClasses``
-    default_service_class: str = DEFAULT_SERVICE_CLASS
+    admission_weights: ValueWeights  # the admission score's (``admission.py``)
+    service_classes: dict[str, ServiceClass]  # checked by ``ServiceClasses``
+    default_service_class: str
     # None: a request's urgency rises over its whole TTFT target, as in the engine's value model.
-    urgency_slack_s: Optional[PositiveFloat] = None
-    max_wait_s: PositiveFloat = MAX_WAIT_S  # a request waiting this long is admitted first (apt's max_wait_time)
+    urgency_slack_s: Optional[PositiveFloat]
+    max_wait_s: PositiveFloat  # a request waiting this long is admitted first (apt's max_wait_time)
     # Share of its value a waiting request keeps once it can no longer meet its TTFT target (apt's).
-    fairness_penalty: float = Field(FAIRNESS_PENALTY, gt=0.0, le=1.0)
-    poll_interval_s: PositiveFloat = 0.25  # how often the controller's state is read
-    tracing_exporter: Literal["none", "console", "otlp", "memory"] = "none"
-    mirror_metrics: bool = False
-    engine_cpus: Optional[dict] = None  # CPUs kept for the engines (``affinity.keep_off_engine_cpus``)
-    api_keys: tuple[SecretStr, ...] = ()  # none: no auth (``auth.py``); SecretStr: never in a repr or log
-    max_request_body_bytes: PositiveInt = MAX_REQUEST_BODY_BYTES  # larger bodies get 413
+    fairness_penalty: float = Field(..., gt=0.0, le=1.0)
+    poll_interval_s: PositiveFloat  # how often the controller's state is read
+    tracing_exporter: Literal["none", "console", "otlp", "memory"]
+    mirror_metrics: bool
+    engine_cpus: Optional[dict]  # CPUs kept for the engines (``affinity.keep_off_engine_cpus``)
+    api_keys: tuple[SecretStr, ...]  # none: no auth (``auth.py``); SecretStr: never in a repr or log
+    max_request_body_bytes: PositiveInt  # larger bodies get 413
     # While the controller has closed admission: "hold" new requests in the admission line until it
     # reopens (503 once a request's TTFT target has passed), or "refuse" them at once with 503.
-    heavy_watermark_action: Literal["hold", "refuse"] = "hold"
+    heavy_watermark_action: Literal["hold", "refuse"]
 
     @property
     def name(self) -> str:

@@ -17,7 +17,7 @@ import json
 import re
 import uuid
 
-from apt_serve_ray.structured import StructuredOutput
+from apt_serve_ray.sampling.structured import StructuredOutput
 
 HERMES_TOOLS = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"

@@ -18,8 +18,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from apt_serve_ray.predictor import Forecast
-from apt_serve_ray.sampling_params import SamplingParams
+from apt_serve_ray.scheduler.predictor import Forecast
+from apt_serve_ray.sampling.params import SamplingParams
 
 
 RECEIVED_WINDOW_S = 5.0  # how long a replica lists a request it received (LoadReport.received)

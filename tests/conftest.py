@@ -18,7 +18,7 @@ def _checkpoint_root(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory):
     """checkpoint("opt-tiny") -> path of a random-weight HF checkpoint of that shape."""
-    from apt_serve_ray.checkpoints import make_random_checkpoint
+    from apt_serve_ray.models.checkpoints import make_random_checkpoint
 
     root = _checkpoint_root(tmp_path_factory)
 

@@ -28,7 +28,7 @@ import numpy as np
 from apt_serve_ray.bench.slo_metrics import RequestTimeline, p99_gap_ms, summarize, ttft_ms
 from apt_serve_ray.bench.workloads import TraceRequest, fill_token_ids
 from apt_serve_ray.observability.tracker import CacheTracker, plot_memory_timeline
-from apt_serve_ray.sampling_params import SamplingParams
+from apt_serve_ray.sampling.params import SamplingParams
 
 _IDLE_S = 0.001  # after a step that could run nothing (e.g. admission closed), before the next
 

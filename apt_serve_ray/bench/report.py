@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from apt_serve_ray.cpu_info import cpu_name, has_native_bf16
+from apt_serve_ray.worker.cpu_info import cpu_name, has_native_bf16
 
 _REPO = Path(__file__).resolve().parents[2]
 

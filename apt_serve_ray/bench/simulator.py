@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from apt_serve_ray.cache.layout import CacheLayout
 from apt_serve_ray.cache.swap import TransferCost
 from apt_serve_ray.config import EngineConfig
-from apt_serve_ray.engine import LLMEngine
+from apt_serve_ray.engine.llm_engine import LLMEngine
 from apt_serve_ray.request import Request
-from apt_serve_ray.sampler import SampledToken
-from apt_serve_ray.sampling_params import SamplingParams
+from apt_serve_ray.sampling.sampler import SampledToken
+from apt_serve_ray.sampling.params import SamplingParams
 from apt_serve_ray.scheduler.costs import step_features
 from apt_serve_ray.scheduler.output import SchedulerOutput
 

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from apt_serve_ray.cache.quant import dequantize
-from apt_serve_ray.cpu_info import cpu_name, cpuinfo_field
+from apt_serve_ray.worker.cpu_info import cpu_name, cpuinfo_field
 
 logger = logging.getLogger("apt_serve_ray")
 

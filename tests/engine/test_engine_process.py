@@ -12,8 +12,8 @@ import time
 import pytest
 
 from apt_serve_ray import AsyncLLMEngine, EngineConfig, SamplingParams
-from apt_serve_ray.async_engine import EngineDeadError
-from apt_serve_ray.engine_process import EngineObservers
+from apt_serve_ray.engine.async_engine import EngineDeadError
+from apt_serve_ray.engine.process import EngineObservers
 from apt_serve_ray.observability.metrics import InMemoryMetrics
 
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0)
@@ -43,7 +43,7 @@ def process_engine(opt_tiny):
 def test_engine_process_gives_the_in_process_tokens(opt_tiny, process_engine):
     engine, _ = process_engine
     assert engine.engine is None and engine.process.is_alive()
-    local = AsyncLLMEngine(_config(opt_tiny))
+    local = AsyncLLMEngine(_config(opt_tiny, engine_process=False))
     local.start()
     try:
         assert asyncio.run(_collect(engine, PROMPTS)) == asyncio.run(_collect(local, PROMPTS))

@@ -11,7 +11,7 @@ import pytest
 from apt_serve_ray import AsyncLLMEngine, CacheTracker, EngineConfig, LLMEngine
 from apt_serve_ray.bench.simulator import (IDLE_STEP_S, MHA_LAYOUT, CostModel, CostModelRunner, SimulatedClock,
                                            SimulatedEngine)
-from apt_serve_ray.stats import CacheStats, StepStats
+from apt_serve_ray.engine.stats import CacheStats, StepStats
 
 # 10 ms a step + 1 ms a token: a 40-token prefill takes 50 ms, a decode 11 ms.
 COST = CostModel(base_s=0.010, per_token_s=0.001, per_context_s=0.0, hidden_context_s=0.0)
@@ -90,7 +90,7 @@ def test_observers_see_the_simulated_clock():
 
 
 def test_the_simulator_loads_no_model(monkeypatch):
-    import apt_serve_ray.engine as engine_module
+    import apt_serve_ray.engine.llm_engine as engine_module
 
     def refuse(*args, **kwargs):
         raise AssertionError("the simulator must not load a model")

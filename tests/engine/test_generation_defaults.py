@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from apt_serve_ray import SamplingParams
-from apt_serve_ray.model_loader import DEFAULT_MODEL, generation_defaults, resolve_model
+from apt_serve_ray.models.loader import DEFAULT_MODEL, generation_defaults, resolve_model
 
 
 def hf_directory(path, generation_config: dict) -> str:

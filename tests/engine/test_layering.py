@@ -68,3 +68,75 @@ def test_importing_the_whole_library_leaves_ray_and_the_web_framework_unloaded()
                             cwd=LIBRARY.parent)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+# The folders are layers (docs/architecture.md): a module may import its own layer and those below it,
+# never one above (within its own folder, anything). Imports inside functions count too (they still tie
+# the layers together); those only for type checkers do not.
+LAYERS = [
+    {"engine", "bench", "observability"},
+    {"worker"},
+    {"scheduler"},
+    {"models", "attention", "kernels", "sampling"},
+    {"cache"},
+    # shared by every layer: the settings, a request and what it carries, the facts of this CPU
+    {"config", "request", "sampling.params", "scheduler.gap_budget", "worker.cpu_info"},
+]
+# ``config.py`` validates every layer's settings against the names each layer defines (policies,
+# attention backends, retentions, grammar backends, the default model): it may read any layer.
+READS_EVERY_LAYER = {"config.py"}
+
+
+def layer_of(module: str) -> int | None:
+    """The layer of ``apt_serve_ray.<module...>``: the most specific entry of ``LAYERS`` that names it."""
+    parts = module.split(".")[1:]
+    for depth in (2, 1):
+        name = ".".join(parts[:depth])
+        for index, layer in enumerate(LAYERS):
+            if name in layer:
+                return index
+    return None
+
+
+def library_imports(path: Path) -> set[str]:
+    names = set()
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):  # drop ``if TYPE_CHECKING:`` blocks
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            node.body = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("apt_serve_ray."):
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names if alias.name.startswith("apt_serve_ray."))
+    return names
+
+
+def test_every_library_module_belongs_to_a_layer():
+    unplaced = [str(p.relative_to(LIBRARY)) for p in LIBRARY.rglob("*.py")
+                if p.name != "__init__.py" or p.parent != LIBRARY]
+    unplaced = [rel for rel in unplaced if layer_of("apt_serve_ray." + rel[:-3].replace("/", ".")) is None]
+    assert not unplaced, f"modules outside every layer: {unplaced}"
+
+
+def test_no_layer_imports_a_layer_above_it():
+    upward = []
+    for path in sorted(LIBRARY.rglob("*.py")):
+        if path.parent == LIBRARY and path.name in {"__init__.py", *READS_EVERY_LAYER}:
+            continue  # the package root re-exports the public names of every layer
+        module = "apt_serve_ray." + str(path.relative_to(LIBRARY))[:-3].replace("/", ".")
+        own = layer_of(module)
+        for name in library_imports(path):
+            target = layer_of(name)
+            same_folder = name.split(".")[1] == module.split(".")[1]
+            if target is not None and target < own and not same_folder:
+                upward.append(f"{path.relative_to(LIBRARY)} -> {name}")
+    assert not upward, f"imports from a higher layer: {upward}"
+
+
+def test_layer_check_sees_an_upward_import():
+    assert layer_of("apt_serve_ray.cache.page_pool") > layer_of("apt_serve_ray.scheduler.costs")
+    assert layer_of("apt_serve_ray.worker.cpu_info") > layer_of("apt_serve_ray.kernels.cpu_attention")
+    assert layer_of("apt_serve_ray.sampling.params") > layer_of("apt_serve_ray.sampling.sampler")
+    assert layer_of("apt_serve_ray.worker.calibration") < layer_of("apt_serve_ray.scheduler.costs")

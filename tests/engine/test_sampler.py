@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from apt_serve_ray.sampler import draw
+from apt_serve_ray.sampling.sampler import draw
 
 
 def test_draws_follow_the_probabilities():
@@ -57,7 +57,7 @@ def _request(prompt, outputs, **params):
 
 
 def test_penalties_and_bias_follow_their_definitions():
-    from apt_serve_ray.sampler import apply_penalties
+    from apt_serve_ray.sampling.sampler import apply_penalties
 
     logits = torch.tensor([1.0, -1.0, 2.0, 0.5, -0.5, 3.0])
     r = _request([0, 1], [2, 2, 3], presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0,
@@ -73,7 +73,7 @@ def test_penalties_and_bias_follow_their_definitions():
 
 
 def test_the_batched_penalties_are_the_row_by_row_reference():
-    from apt_serve_ray.sampler import apply_penalties, apply_penalties_batch
+    from apt_serve_ray.sampling.sampler import apply_penalties, apply_penalties_batch
 
     g = torch.Generator().manual_seed(0)
     vocab = 50
@@ -109,7 +109,7 @@ def test_the_batched_penalties_are_the_row_by_row_reference():
 
 
 def test_greedy_sees_the_adjusted_logits_and_logprobs_the_models():
-    from apt_serve_ray.sampler import Sampler
+    from apt_serve_ray.sampling.sampler import Sampler
 
     logits = torch.tensor([[0.0, 5.0, 4.0, -1.0]])
     plain = _request([0], [], temperature=0, logprobs=1)
@@ -121,7 +121,7 @@ def test_greedy_sees_the_adjusted_logits_and_logprobs_the_models():
 
 
 def test_min_p_keeps_only_tokens_near_the_likeliest():
-    from apt_serve_ray.sampler import _filtered_probs
+    from apt_serve_ray.sampling.sampler import _filtered_probs
     from apt_serve_ray import SamplingParams
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))

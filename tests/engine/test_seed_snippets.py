@@ -10,7 +10,7 @@ def test_the_apt_serve_names_are_apt_serve_rays(opt_tiny, tmp_path, monkeypatch)
     from apt_serve.predictor import TrafficPredictor
 
     import apt_serve_ray
-    from apt_serve_ray.predictor import TrafficPredictor as Ours
+    from apt_serve_ray.scheduler.predictor import TrafficPredictor as Ours
 
     assert HybridCacheLLM is apt_serve_ray.HybridCacheLLM and CacheTracker is apt_serve_ray.CacheTracker
     assert TrafficPredictor is Ours

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from apt_serve_ray import LLM, SamplingParams
-from apt_serve_ray.structured import GRAMMAR_BACKENDS, StructuredOutput
+from apt_serve_ray.sampling.structured import GRAMMAR_BACKENDS, StructuredOutput
 
 SCHEMA = {
     "type": "object",

@@ -264,7 +264,7 @@ def test_prompt_logits_hidden_equal_kv_on_cpu_kernels(llama_tiny):
 
 
 def test_dtype_auto_follows_the_cpus_native_bf16(monkeypatch, opt_tiny):
-    import apt_serve_ray.model_runner as mr
+    import apt_serve_ray.worker.model_runner as mr
 
     cpu = torch.device("cpu")
     monkeypatch.setattr(mr, "cpu_has_native_bf16", lambda: True)
@@ -284,7 +284,7 @@ def test_bad_backend_arguments_name_the_field(opt_tiny):
 
 def test_cpu_affinity_splits_engine_and_serving_cpus():
     from apt_serve_ray.config import EngineConfig
-    from apt_serve_ray.cpu_affinity import engine_cpus, other_cpus
+    from apt_serve_ray.worker.cpu_affinity import engine_cpus, other_cpus
 
     cpus = [0, 1, 2, 3]
     assert engine_cpus(0, 1, cpus) == [0] and engine_cpus(1, 1, cpus) == [1] and engine_cpus(1, 2, cpus) is None
@@ -304,7 +304,7 @@ def test_async_engine_loop_thread_runs_on_its_cpus(opt_tiny):
     if not hasattr(os, "sched_getaffinity"):
         pytest.skip("no CPU affinity on this platform")
     cpu = sorted(os.sched_getaffinity(0))[-1]
-    engine = AsyncLLMEngine(EngineConfig(model=opt_tiny, dtype="float32", num_pages=32, cpu_affinity=(cpu,)))
+    engine = AsyncLLMEngine(EngineConfig(model=opt_tiny, engine_process=False, dtype="float32", num_pages=32, cpu_affinity=(cpu,)))
     engine.start()
     try:
         async def run():
@@ -326,7 +326,7 @@ def test_rays_processes_on_the_node_are_moved_off_the_engine_cpus():
     import sys
     import time
 
-    from apt_serve_ray.cpu_affinity import keep_ray_processes_off
+    from apt_serve_ray.worker.cpu_affinity import keep_ray_processes_off
 
     cpus = sorted(os.sched_getaffinity(0))
     code = "import time; time.sleep(30)"

@@ -62,7 +62,7 @@ def test_random_checkpoints_match_transformers(checkpoint, shape):
 def test_checkpoints_take_the_tokenizer_from_a_folder_when_told(tmp_path, monkeypatch):
     # What benchmarks/gpu_check.sh does on a machine without the default model: the same tokenizer,
     # saved as a folder, makes the same checkpoint.
-    from apt_serve_ray.checkpoints import _tokenizer, make_random_checkpoint
+    from apt_serve_ray.models.checkpoints import _tokenizer, make_random_checkpoint
 
     default = _tokenizer()
     default.save_pretrained(tmp_path / "tok")

@@ -13,7 +13,7 @@ import torch
 
 from apt_serve_ray import EngineConfig
 from apt_serve_ray.bench.simulator import MHA_LAYOUT, CostModel, SimulatedEngine
-from apt_serve_ray.calibration import measure_costs
+from apt_serve_ray.worker.calibration import measure_costs
 from apt_serve_ray.request import CacheKind
 from apt_serve_ray.scheduler.costs import StepCosts
 from apt_serve_ray.scheduler.policies.apt import AdaptiveScheduler

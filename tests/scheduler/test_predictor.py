@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from apt_serve_ray.predictor import Forecast, TrafficPredictor, detect_season, mape
+from apt_serve_ray.scheduler.predictor import Forecast, TrafficPredictor, detect_season, mape
 
 
 def fed(rates, seed: int = 0, tokens_per_request: int = 150, **kw) -> TrafficPredictor:
@@ -152,7 +152,7 @@ def test_bad_input_names_the_field(make, field):
 
 def test_the_seeds_three_lines_attach_a_predictor_that_the_engine_feeds(opt_tiny):
     from apt_serve_ray import LLM, SamplingParams
-    from apt_serve_ray.predictor import TrafficPredictor
+    from apt_serve_ray.scheduler.predictor import TrafficPredictor
     from apt_serve_ray.scheduler.policies.apt import AdaptiveScheduler
 
     llm = LLM(opt_tiny, dtype="float32", num_pages=64, attention_backend="torch")

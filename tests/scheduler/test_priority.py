@@ -88,7 +88,7 @@ def test_offline_priority_overtakes_a_queue_under_apt_with_its_default_weights(o
 def test_async_engine_priority_reaches_the_value_model(opt_tiny):
     from apt_serve_ray import AsyncLLMEngine, SamplingParams
 
-    engine = AsyncLLMEngine(EngineConfig(model=opt_tiny, dtype="float32", num_pages=64, max_num_seqs=1,
+    engine = AsyncLLMEngine(EngineConfig(model=opt_tiny, engine_process=False, dtype="float32", num_pages=64, max_num_seqs=1,
                                          calibrate_rho=False, policy="apt"))
     engine.start()
     order: list[int] = []

@@ -12,9 +12,9 @@ import pytest
 
 from apt_serve_ray import EngineConfig
 from apt_serve_ray.bench.simulator import MHA_LAYOUT, CostModel, SimulatedEngine
-from apt_serve_ray.gap_budget import GapBudget, p99_rank
+from apt_serve_ray.scheduler.gap_budget import GapBudget, p99_rank
 from apt_serve_ray.request import Request
-from apt_serve_ray.sampling_params import SamplingParams
+from apt_serve_ray.sampling.params import SamplingParams
 from apt_serve_ray.scheduler.costs import StepCosts, chunk_pairs, predict_step, step_features
 from apt_serve_ray.scheduler.output import ScheduledChunk
 from apt_serve_ray.scheduler.policies.apt import AdaptiveScheduler
@@ -321,7 +321,7 @@ def test_a_request_that_cannot_start_in_time_is_written_off_before_it_is_late():
 
 
 def test_where_the_deployment_sheds_a_request_that_cannot_start_in_time_ends_with_an_overloaded_error():
-    from apt_serve_ray.outputs import OVERLOADED
+    from apt_serve_ray.engine.outputs import OVERLOADED
     from apt_serve_ray.request import RequestStatus
 
     kept, _, _ = _documents_one_after_another(write_off_late=True)

@@ -12,7 +12,7 @@ from apt_serve_ray.cache.cache_manager import CacheManager
 from apt_serve_ray.cache.page_pool import PagePool
 from apt_serve_ray.config import EngineConfig
 from apt_serve_ray.request import CacheKind, Request, RequestStatus
-from apt_serve_ray.sampling_params import SamplingParams
+from apt_serve_ray.sampling.params import SamplingParams
 from apt_serve_ray.scheduler.candidates import Candidates
 from apt_serve_ray.scheduler.policies.apt import AdaptiveScheduler
 from apt_serve_ray.scheduler.scheduler import Scheduler, SchedulingContext

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from serve_helpers import load_report
 
-from apt_serve_ray.predictor import Forecast
+from apt_serve_ray.scheduler.predictor import Forecast
 from deployments.cluster_control import ClusterControl, ControlSettings
 from deployments.wire import ArrivalCount
 

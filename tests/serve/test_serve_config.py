@@ -24,7 +24,7 @@ def test_serve_config_validates_against_rays_schema():
 
 
 def test_app_args_build_the_engine_config_of_the_default_model():
-    from apt_serve_ray.model_loader import DEFAULT_MODEL
+    from apt_serve_ray.models.loader import DEFAULT_MODEL
     from deployments.app import AppArgs
 
     (app,) = load_config()["applications"]
@@ -91,6 +91,32 @@ def test_every_engine_field_is_an_app_argument_and_engine_options_still_work():
     config = top_level.engine_config()
     assert config.attention_backend == "torch" and config.calibrate_rho is False and config.cache_ratio == 0.2
     assert config.engine_process is True and config.max_num_seqs == EngineConfig.max_num_seqs  # unset: the default
+
+
+def test_deployments_have_no_defaults_of_their_own():
+    """Every setting of a deployment comes from the app's arguments: the options each deployment takes
+    are built by ``build_app`` and name every field (a default there would be a second source)."""
+    import inspect
+
+    from deployments.controller import Controller, ControllerOptions
+    from deployments.engine_replica import EngineReplica, ReplicaOptions
+    from deployments.router import Router, RouterOptions
+
+    for options in (RouterOptions, ReplicaOptions, ControllerOptions):
+        defaulted = [name for name, field in options.model_fields.items() if not field.is_required()]
+        assert not defaulted, f"{options.__name__} has defaults of its own: {defaulted}"
+    for deployment in (Router, EngineReplica, Controller):
+        init = inspect.signature(deployment.func_or_class.__init__)
+        defaulted = [p.name for p in init.parameters.values() if p.default is not inspect.Parameter.empty]
+        assert not defaulted, f"{deployment.name}.__init__ has defaults of its own: {defaulted}"
+
+
+def test_the_app_merges_policy_options_once_and_every_replica_gets_them():
+    from deployments.app import AppArgs, policy_kwargs
+
+    args = AppArgs.model_validate({"policy_options": {"fairness_penalty": 0.5, "slo_weight": 2.0},
+                                   "policy_weights": {"slo_weight": 3.0}})
+    assert policy_kwargs(args, args.engine_config()) == {"fairness_penalty": 0.5, "slo_weight": 3.0}
 
 
 def test_the_watermarks_have_one_default_and_the_app_passes_its_own_to_the_engines():

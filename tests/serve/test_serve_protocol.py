@@ -279,7 +279,7 @@ def test_stream_interval_widens_with_the_replicas_streams_up_to_a_quarter_of_the
 
 
 def test_a_request_shed_before_it_started_is_a_503_with_retry_after():
-    from apt_serve_ray.outputs import OVERLOADED
+    from apt_serve_ray.engine.outputs import OVERLOADED
     from deployments.responses import failure
 
     shed = failure(StreamItem("", finish_reason="error", error=f"{OVERLOADED}: cannot start in time"))

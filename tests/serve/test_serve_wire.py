@@ -21,7 +21,7 @@ def test_every_contract_survives_pickling_as_ray_sends_it():
     state = ControllerState(admission_open=False, cache_ratio=0.1, usage=0.95, retry_after_s=2.0,
                             replicas={"r": report},
                             decisions=(ControllerDecision(1.0, 0.95, 0.1, False, "usage 0.95 > heavy 0.9"),))
-    from apt_serve_ray.predictor import TrafficPredictor
+    from apt_serve_ray.scheduler.predictor import TrafficPredictor
 
     forecast = TrafficPredictor().forecast(5, now=0)
     predicted = ControllerState(admission_open=True, cache_ratio=0.0, usage=0.2, retry_after_s=2.0,

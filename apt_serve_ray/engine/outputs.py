@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from apt_serve_ray.sampling_params import RequestOutputKind
+from apt_serve_ray.sampling.params import RequestOutputKind
 
 # How the error of a request the policy turned away begins (``shed_late``): it could not start within
 # its TTFT target under the load of the moment, and may be retried (the server answers 503).

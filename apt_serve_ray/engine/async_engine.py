@@ -3,7 +3,7 @@ their outputs as ``async`` generators; a caller that stops iterating aborts its 
 
 The core runs on a thread of this process (``ThreadTransport``), or (``EngineConfig.engine_process``)
 in a process of its own, which keeps the step loop's Python off this process's GIL
-(``engine_process.py``). Both speak the same messages (``engine_core.py``), so what this class does
+(``engine/process.py``). Both speak the same messages (``engine/core.py``), so what this class does
 is the same either way: send commands, and hand each message that comes back to the stream it
 belongs to, through the stream's event loop (``call_soon_threadsafe``). Only the core touches the
 engine's state.
@@ -27,14 +27,14 @@ from collections import deque
 from typing import AsyncIterator
 
 from apt_serve_ray.config import EngineConfig, check_share
-from apt_serve_ray.detokenizer import IncrementalDetokenizer
-from apt_serve_ray.engine import LLMEngine
-from apt_serve_ray.engine_core import EngineCore, ThreadTransport, timeline_of
-from apt_serve_ray.engine_process import EngineObservers, EngineProcess, MetricsReplay, attach_observers
-from apt_serve_ray.llm import apply_chat_template
-from apt_serve_ray.outputs import RequestOutput
-from apt_serve_ray.sampling_params import RequestOutputKind, SamplingParams
-from apt_serve_ray.stats import CacheStats
+from apt_serve_ray.engine.detokenizer import IncrementalDetokenizer
+from apt_serve_ray.engine.llm_engine import LLMEngine
+from apt_serve_ray.engine.core import EngineCore, ThreadTransport, timeline_of
+from apt_serve_ray.engine.process import EngineObservers, EngineProcess, MetricsReplay, attach_observers
+from apt_serve_ray.engine.llm import apply_chat_template
+from apt_serve_ray.engine.outputs import RequestOutput
+from apt_serve_ray.sampling.params import RequestOutputKind, SamplingParams
+from apt_serve_ray.engine.stats import CacheStats
 
 logger = logging.getLogger("apt_serve_ray")
 
@@ -86,7 +86,7 @@ class AsyncLLMEngine:
         if self.engine is not None:
             return self.engine.tokenizer
         if self._tokenizer is None:
-            from apt_serve_ray.model_loader import load_tokenizer, resolve_model
+            from apt_serve_ray.models.loader import load_tokenizer, resolve_model
 
             self._tokenizer = load_tokenizer(resolve_model(self.config.model), self.config.tokenizer)
         return self._tokenizer
@@ -227,7 +227,7 @@ class AsyncLLMEngine:
         """In-process: the core on this thread; its messages are handled as it sends them."""
         self.loop_thread_id = threading.get_native_id()
         if self.config.cpu_affinity:
-            from apt_serve_ray.cpu_affinity import pin_current_thread
+            from apt_serve_ray.worker.cpu_affinity import pin_current_thread
 
             if pin_current_thread(self.config.cpu_affinity):
                 logger.info("engine loop thread pinned to CPUs %s", list(self.config.cpu_affinity))

@@ -14,22 +14,22 @@ from typing import Callable
 import torch
 
 from apt_serve_ray.cache.cache_manager import CacheManager
-from apt_serve_ray.calibration import measure_costs
+from apt_serve_ray.worker.calibration import measure_costs
 from apt_serve_ray.cache.page_pool import PagePool
 from apt_serve_ray.cache.swap import SwapSpace, make_swap_space
 from apt_serve_ray.config import EngineConfig, check_share
-from apt_serve_ray.detokenizer import IncrementalDetokenizer
-from apt_serve_ray.model_loader import load_tokenizer, resolve_model
-from apt_serve_ray.model_runner import ModelRunner
+from apt_serve_ray.engine.detokenizer import IncrementalDetokenizer
+from apt_serve_ray.models.loader import load_tokenizer, resolve_model
+from apt_serve_ray.worker.model_runner import ModelRunner
 from apt_serve_ray.observability.observer import EngineObserver, RequestEvent, RequestLogger
-from apt_serve_ray.outputs import OVERLOADED, RequestOutput, output_of
+from apt_serve_ray.engine.outputs import OVERLOADED, RequestOutput, output_of
 from apt_serve_ray.request import CacheKind, Request, RequestStatus
-from apt_serve_ray.sampling_params import SamplingParams
+from apt_serve_ray.sampling.params import SamplingParams
 from apt_serve_ray.scheduler.output import ScheduledChunk
 from apt_serve_ray.scheduler.registry import make_policy
 from apt_serve_ray.scheduler.scheduler import Scheduler
 from apt_serve_ray.scheduler.watermarks import Watermarks
-from apt_serve_ray.stats import CacheStats, StepStats
+from apt_serve_ray.engine.stats import CacheStats, StepStats
 
 logger = logging.getLogger("apt_serve_ray")
 
@@ -200,7 +200,7 @@ class LLMEngine:
         the grammar library loads then)."""
         so = self.runner.sampler.structured
         if so is None:
-            from apt_serve_ray.structured import StructuredOutputs
+            from apt_serve_ray.sampling.structured import StructuredOutputs
 
             so = StructuredOutputs(self.tokenizer, self.vocab_size, self.config.structured_output_backend)
             self.runner.sampler.structured = so

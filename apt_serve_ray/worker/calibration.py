@@ -33,7 +33,7 @@ import torch
 
 from apt_serve_ray.attention import DecodeGroup
 from apt_serve_ray.request import CacheKind, Request
-from apt_serve_ray.sampling_params import SamplingParams
+from apt_serve_ray.sampling.params import SamplingParams
 from apt_serve_ray.scheduler.costs import StepCosts, chunk_pairs
 from apt_serve_ray.scheduler.output import ScheduledChunk, SchedulerOutput
 

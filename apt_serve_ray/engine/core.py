@@ -1,7 +1,7 @@
 """The serving loop, once: drain commands, step, send what happened, whichever transport carries them.
 
 ``AsyncLLMEngine`` runs one ``EngineCore`` either on a thread of its own process (``ThreadTransport``)
-or in an engine process of its own (``engine_process.py``: a socket); both speak the same messages:
+or in an engine process of its own (``engine/process.py``: a socket); both speak the same messages:
 
     in    ("add", prompt, params, request_id, options)  ("abort", id)  ("ratio", x)  ("admission", open)
           ("query", token, name)  ("stop",)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from apt_serve_ray.structured import StructuredOutput
+    from apt_serve_ray.sampling.structured import StructuredOutput
 
 
 class RequestOutputKind(enum.Enum):
@@ -63,7 +63,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
-    # The output must match this (``apt_serve_ray.structured``): a JSON schema, any JSON object, a
+    # The output must match this (``apt_serve_ray.sampling.structured``): a JSON schema, any JSON object, a
     # regular expression or one of some strings. None: free text.
     structured_output: "StructuredOutput | None" = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -151,7 +151,7 @@ class SamplingParams:
                 bias[token] = float(value)
             self.logit_bias = bias or None
         if self.structured_output is not None:
-            from apt_serve_ray.structured import StructuredOutput
+            from apt_serve_ray.sampling.structured import StructuredOutput
 
             if isinstance(self.structured_output, dict):
                 self.structured_output = StructuredOutput(**self.structured_output)

@@ -6,12 +6,12 @@ import dataclasses
 from typing import Callable, Sequence
 
 from apt_serve_ray.config import EngineConfig
-from apt_serve_ray.engine import LLMEngine
-from apt_serve_ray.model_loader import DEFAULT_MODEL, generation_defaults, resolve_model
-from apt_serve_ray.outputs import RequestOutput
-from apt_serve_ray.sampling_params import SamplingParams
+from apt_serve_ray.engine.llm_engine import LLMEngine
+from apt_serve_ray.models.loader import DEFAULT_MODEL, generation_defaults, resolve_model
+from apt_serve_ray.engine.outputs import RequestOutput
+from apt_serve_ray.sampling.params import SamplingParams
 from apt_serve_ray.scheduler.registry import make_policy
-from apt_serve_ray.stats import CacheStats
+from apt_serve_ray.engine.stats import CacheStats
 
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 

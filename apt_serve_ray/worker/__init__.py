@@ -1,0 +1,1 @@
+"""What runs a step on this machine: the model runner, calibration, CPU facts and affinity."""
