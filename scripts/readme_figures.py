@@ -1,0 +1,473 @@
+"""README's figures table, rebuilt from the benchmark JSON under ``docs/benchmarks/``.
+
+Every figure in the table is read or computed here from a JSON file that a benchmark wrote; the
+words around the figures are this script's. One row a function below (``ROWS``), each naming the
+JSON it reads. The table sits in README.md between ``<!-- figures:begin -->`` and
+``<!-- figures:end -->``::
+
+    python scripts/readme_figures.py            # rewrite README's table from the JSON
+    python scripts/readme_figures.py --check    # exit 1 and print a diff where README differs
+
+Rounding, one way for every row: ratios, times, rates and sizes to 3 significant figures (whole
+numbers from 100 up), percentages to one decimal. Each row's "measured on" cell gives the machine
+(CPU and whether it has native bf16) from the JSON's machine header; a field the JSON does not hold
+(a date, a model, an instruction set) is taken from that run's section of docs/benchmarks.md and
+marked "(docs)".
+
+Standard library and numpy only: no torch, no ray, nothing from the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+BEGIN = "<!-- figures:begin -->"
+END = "<!-- figures:end -->"
+HEADER = ["| what | figure, and where we lose | measured on | command |", "|---|---|---|---|"]
+GROUPS = ("all", "chat", "document")
+
+
+# Formatting: the one rounding rule ---------------------------------------------------------------
+def num(x: float) -> str:
+    """``x`` to 3 significant figures; from 100 up, a whole number with thousands separated."""
+    if x == 0 or not math.isfinite(x):
+        return f"{x:g}"
+    r = float(f"{x:.3g}")  # decide the decimals on the rounded value (9.996 -> 10.0, not 10.00)
+    if abs(r) >= 100:
+        return f"{x:,.0f}"
+    return f"{x:.{2 - math.floor(math.log10(abs(r)))}f}"
+
+
+def pct(frac: float) -> str:
+    """A share (0..1) as a percentage to one decimal, without the sign."""
+    return f"{100 * frac:.1f}"
+
+
+def ratio(a: float, b: float) -> str:
+    return num(a / b) + "x"
+
+
+def span(values, fmt: Callable[[float], str] = num) -> str:
+    """``lo-hi`` of ``values`` formatted with ``fmt`` (one figure where both ends print alike)."""
+    lo, hi = fmt(min(values)), fmt(max(values))
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def day(stamp: str) -> str:
+    """'2026-12-06 04:40:39' or '20261204-051315' -> '2026-12-06'."""
+    s = stamp.strip()
+    return s[:10] if s[4] == "-" else f"{s[:4]}-{s[4:6]}-{s[6:8]}"
+
+
+def days(stamps) -> str:
+    ds = sorted({day(s) for s in stamps})
+    return ds[0] if len(ds) == 1 else f"{ds[0]} to {ds[-1]}"
+
+
+def docs(text: str) -> str:
+    """A field the JSON does not hold, as docs/benchmarks.md gives it for this run."""
+    return f"{text} (docs)"
+
+
+def points(diff: float) -> str:
+    """A difference of two percentages (given in points), to one decimal like the percentages."""
+    return f"{diff:.1f}"
+
+
+def machine(header: dict, detail: str = "") -> str:
+    """The CPU and native bf16 from a JSON's machine header (``detail``: what docs/benchmarks.md adds)."""
+    cpu = header.get("cpu", header.get("name"))
+    bf16 = header.get("native_bf16", header.get("avx512_bf16"))
+    if cpu is None or bf16 is None:
+        raise KeyError(f"machine header without cpu / native bf16: {header}")
+    return f"{cpu}{' ' + docs(detail) if detail else ''}, {'native bf16' if bf16 else 'no native bf16'}"
+
+
+def measured_on(*fields: str) -> str:
+    return "; ".join(fields)
+
+
+DTYPES = {"bfloat16": "bf16", "float32": "fp32"}
+
+
+def threads(n) -> str:
+    return f"{n} thread{'s' if int(n) != 1 else ''}"
+
+
+class Row:
+    def __init__(self, what: str, figure: str, lose: str, on: str, command: str):
+        self.cells = [what, f"{figure} **Where we lose**: {lose}", on, command]
+
+    def line(self) -> str:
+        for c in self.cells:
+            if "|" in c.replace("\\|", "") or "\n" in c:
+                raise ValueError(f"a cell may not hold '|' or a newline: {c!r}")
+        return "| " + " | ".join(self.cells) + " |"
+
+
+class Bench:
+    """The JSON files under one ``docs/benchmarks`` folder, read once each; ``used`` lists those read."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.used: list[str] = []
+        self._cache: dict[str, object] = {}
+
+    def __call__(self, rel: str):
+        if rel not in self._cache:
+            self._cache[rel] = json.loads((self.root / rel).read_text())
+            self.used.append(rel)
+        return self._cache[rel]
+
+
+def jpath(*rels: str) -> str:
+    return ", ".join(f"`docs/benchmarks/{r}`" for r in rels)
+
+
+# mixed_traffic.py serve JSON (runs -> "serve:NAME" -> results per rate and seed) -----------------
+def at(run: dict, rate: float) -> list[dict]:
+    return sorted((a for a in run["results"] if a["rate"] == rate), key=lambda a: a["seed"])
+
+
+def rates_of(run: dict) -> list[float]:
+    return sorted({a["rate"] for a in run["results"]})
+
+
+def mean_att(run: dict, rate: float, group: str) -> float:
+    return float(np.mean([a[group]["attainment"] for a in at(run, rate)]))
+
+
+def triple(run: dict, rate: float) -> str:
+    """Mean attainment over seeds, all / chats / documents."""
+    return " / ".join(pct(mean_att(run, rate, g)) for g in GROUPS) + "%"
+
+
+def goodput_ratio(run: dict, base: dict, rate: float) -> float:
+    """Mean over seeds of goodput over the arrival window against ``base`` on the same seed
+    (what ``mixed_traffic.py report`` prints)."""
+    ref = {a["seed"]: a["all"]["goodput_arrivals"] for a in at(base, rate)}
+    return float(np.mean([a["all"]["goodput_arrivals"] / ref[a["seed"]] for a in at(run, rate)]))
+
+
+def doc_deficits(ours: dict, peer: dict) -> list[tuple[float, float, int]]:
+    """(points under, rate, seed) for every rate and seed where our documents' attainment is below the peer's."""
+    out = []
+    for rate in rates_of(ours):
+        peer_by_seed = {a["seed"]: a["document"]["attainment"] for a in at(peer, rate)}
+        for a in at(ours, rate):
+            gap = 100 * (peer_by_seed[a["seed"]] - a["document"]["attainment"])
+            if gap > 0:
+                out.append((gap, rate, a["seed"]))
+    return out
+
+
+def burst_what(cfg: dict, peers: str) -> str:
+    return (f"**bursts** (issue 44's variant of the seed's traffic: CV {cfg['cv']:g}, "
+            f"{100 * (1 - cfg['chat_share']):.0f}% documents, chats TTFT {cfg['chat_ttft_ms'] / 1000:g} s / gap "
+            f"{cfg['chat_tbt_ms'] / 1000:g} s, documents {cfg['doc_ttft_ms'] / 1000:g} s / {cfg['doc_tbt_ms'] / 1000:g} s, "
+            f"{cfg['num_pages'] * 16:,} KV tokens each, {cfg['num_requests']} requests a rate, fresh token ids), "
+            f"through HTTP against vLLM CPU 0.32 {peers}")
+
+
+# The rows ----------------------------------------------------------------------------------------
+def bursts_bf16(b: Bench) -> Row:
+    rel = "burst/serve_vllm_bf16.json"
+    runs = b(rel)["runs"]
+    ours, vllm, prio = runs["serve:ours"], runs["serve:vllm"], runs["serve:vllm-priority"]
+    cfg, rates = ours["config"], rates_of(ours)
+    seeds = sorted({a["seed"] for a in ours["results"]})
+    eff = ratio(ours["effective_throughput"]["all"]["90"], vllm["effective_throughput"]["all"]["90"])
+    figure = (f"{len(seeds)} seeds, all / chats / documents: "
+              + "; ".join(f"**{triple(ours, r)}** vs vLLM {triple(vllm, r)} at {r:g} req/s" for r in rates)
+              + "; goodput " + " / ".join(ratio(goodput_ratio(ours, vllm, r), 1) for r in rates)
+              + f" vLLM's; effective throughput at 90% {eff}.")
+    deficits = doc_deficits(ours, vllm)
+    worst = max(deficits)
+    worst_rates = " and ".join(f"{r:g}" for g, r, seed in deficits if seed == worst[2])
+    doc_means = ", ".join(f"{pct(mean_att(ours, r, 'document'))} vs {pct(mean_att(vllm, r, 'document'))}%" for r in rates)
+    behind = [r for r in rates if mean_att(ours, r, "chat") < mean_att(prio, r, "chat")]
+    chat_gaps = lambda run, r: sum(a["chat"]["gap_misses"] for a in at(run, r))  # noqa: E731
+    chats_n = lambda run, r: sum(a["chat"]["num"] for a in at(run, r))  # noqa: E731
+    lose = (f"documents only level with vLLM's ({doc_means}), up to {points(worst[0])} points under on the "
+            f"worst seed (seed {worst[2]}, at {worst_rates} req/s); against vLLM with `--scheduling-policy priority` overall "
+            + ", ".join(f"{pct(mean_att(ours, r, 'all'))} vs {pct(mean_att(prio, r, 'all'))}%" for r in rates)
+            + "".join(f", chats behind at {r:g} req/s ({pct(mean_att(ours, r, 'chat'))} vs "
+                      f"{pct(mean_att(prio, r, 'chat'))}%: {chat_gaps(ours, r)} of our {chats_n(ours, r)} chats broke "
+                      f"their gap, {chat_gaps(prio, r)} of vLLM's)" for r in behind)
+            + f"; goodput only {ratio(goodput_ratio(ours, vllm, rates[0]), 1)} vLLM's at {rates[0]:g} req/s; "
+              "the tier off not run against vLLM")
+    on = measured_on(machine(ours["machine"]), DTYPES[cfg["dtype"]], threads(cfg["threads"]) + " each",
+                     docs("random-weight OPT-125m"), days(r["started"] for r in runs.values()))
+    return Row(burst_what(cfg, "with its defaults and with priority scheduling"), figure, lose, on,
+               f"`benchmarks/mixed_traffic.py serve` (issue 44; {jpath(rel)})")
+
+
+def bursts_fp32(b: Bench) -> Row:
+    rel = "burst/serve_vllm_fp32.json"
+    runs = b(rel)["runs"]
+    ours, vllm = runs["serve:ours"], runs["serve:vllm"]
+    cfg, rates = ours["config"], rates_of(ours)
+    seeds = sorted({a["seed"] for a in ours["results"]})
+    e = lambda run, g: run["effective_throughput"][g]["90"]  # noqa: E731
+    figure = (f"{len(seeds)} seeds, all / chats / documents: "
+              + "; ".join(f"**{triple(ours, r)}** vs vLLM {triple(vllm, r)} at {r:g} req/s" for r in rates)
+              + "; goodput " + " / ".join(ratio(goodput_ratio(ours, vllm, r), 1) for r in rates)
+              + f" vLLM's; effective throughput at 90% {num(e(ours, 'all'))} vs {num(e(vllm, 'all'))} req/s "
+                f"({ratio(e(ours, 'all'), e(vllm, 'all'))}).")
+    worst_seed = max(doc_deficits(ours, vllm))[2]
+    doc_seed = lambda run, r: next(a for a in at(run, r) if a["seed"] == worst_seed)["document"]["attainment"]  # noqa: E731
+    gaps = [next(a for a in at(ours, r) if a["seed"] == worst_seed)["chat"]["gap_misses"] for r in rates]
+    lose = ("documents behind vLLM's ("
+            + ", ".join(f"{pct(mean_att(ours, r, 'document'))} vs {pct(mean_att(vllm, r, 'document'))}%" for r in rates)
+            + f"; seed {worst_seed}: "
+            + ", ".join(f"{pct(doc_seed(ours, r))} vs {pct(doc_seed(vllm, r))}%" for r in rates)
+            + f"), documents' effective throughput at 90% {num(e(ours, 'document'))} vs {num(e(vllm, 'document'))} "
+              f"req/s; our chats' gaps broken through Serve ({' and '.join(map(str, gaps))} chat gap misses on seed "
+              f"{worst_seed} at {' / '.join(f'{r:g}' for r in rates)} req/s)")
+    on = measured_on(machine(ours["machine"]), DTYPES[cfg["dtype"]], threads(cfg["threads"]) + " each",
+                     docs("random-weight OPT-125m"), days(r["started"] for r in runs.values()))
+    return Row(burst_what(cfg, "with its defaults, in float32"), figure, lose, on,
+               f"`benchmarks/mixed_traffic.py serve --dtype float32` (issue 44; {jpath(rel)})")
+
+
+def decision_cost(b: Bench) -> Row:
+    rels = ("burst/scheduler_overhead_writeoff.json", "burst/scheduler_overhead_keeplate.json")
+    on_, off = (b(r) for r in rels)
+    r_on, r_off = on_["results"][0], off["results"][0]
+    assert r_on["num_candidates"] == r_off["num_candidates"]
+    cfg = on_["config"]
+    aim_ms = 1.0  # docs/benchmarks.md, issue 44: "Aim 1 ms"
+    what = (f"one whole `apt` decision (the real scheduler, pool and policy on the simulator, {cfg['max_num_seqs']} "
+            f"sequences / {cfg['max_num_batched_tokens']:,} tokens a step)")
+    figure = (f"{r_on['num_candidates']:,} candidates, median: **{num(r_on['full_decision_ms'])} ms** with requests that "
+              f"cannot start in time written off, {num(r_off['full_decision_ms'])} ms without (one run each, one "
+              f"after the other; P90 {num(r_on['full_decision_p90_ms'])} / {num(r_off['full_decision_p90_ms'])} ms).")
+    met = r_on["full_decision_ms"] <= aim_ms
+    lose = (f"the aim of {aim_ms:g} ms (docs) {'met' if met else 'not met'} with the write-off on; the write-off "
+            f"costs {ratio(r_on['full_decision_ms'], r_off['full_decision_ms'])} the decision without it")
+    on = measured_on(machine(on_["machine"]), "simulated engine (no model, no dtype)", docs("2026-12-06"))
+    return Row(what, figure, lose, on, f"`benchmarks/scheduler_overhead.py --policy-options` (issue 44; {jpath(*rels)})")
+
+
+def engine_speed(b: Bench) -> Row:
+    rel = "compare/compare.json"
+    s = b(rel)["servers"]
+    shapes = {"125M": ("fp32-{t}t-base", "OPT-125m shape"), "1.1B": ("tinyllama-1.1b-fp32-{t}t", "TinyLlama-1.1B shape (GQA)")}
+
+    def probe(server: str, shape: str, t: int) -> dict:
+        return s[f"{server}-{shapes[shape][0].format(t=t)}"]["probe"]
+
+    def three(shape: str, t: int) -> list[str]:
+        ours, peer = probe("apt-serve", shape, t), probe("vllm", shape, t)
+        return [ratio(ours["single"]["median_ttft_ms"], peer["single"]["median_ttft_ms"]),
+                ratio(ours["single"]["median_tpot_ms"], peer["single"]["median_tpot_ms"]),
+                ratio(ours["saturated"]["output_throughput"], peer["saturated"]["output_throughput"])]
+
+    def gain(server: str, shape: str) -> str:
+        one, two = (probe(server, shape, t)["saturated"]["output_throughput"] for t in (1, 2))
+        return f"{100 * (two / one - 1):+.0f}%"
+
+    a, c = three("125M", 1), three("1.1B", 1)
+    figure = (f"one thread: {shapes['125M'][1]} TTFT / TPOT {a[0]} / {a[1]} vLLM's, saturated **{a[2]}**; "
+              f"{shapes['1.1B'][1]} TTFT / TPOT **{c[0]} / {c[1]}**, saturated {c[2]}.")
+    a2, c2 = three("125M", 2), three("1.1B", 2)
+    lose = (f"two threads on the two cores: 125M TTFT {a2[0]}, TPOT {a2[1]}, saturated {a2[2]}; 1.1B "
+            f"{c2[0]} / {c2[1]} / {c2[2]}. The second thread adds {gain('vllm', '125M')} / {gain('vllm', '1.1B')} to "
+            f"vLLM's saturated output (125M / 1.1B), {gain('apt-serve', '125M')} / {gain('apt-serve', '1.1B')} to ours "
+            "(docs: our Serve app's processes share the two cores with the engine's threads)")
+    used = [s[f"{server}-{shapes[shape][0].format(t=t)}"] for server in ("apt-serve", "vllm") for shape in shapes
+            for t in (1, 2)]
+    on = measured_on(machine(used[0]) + ", " + docs("AVX2"), "real engines", docs("random weights"),
+                     DTYPES["float32"] + " (the labels)", "1 and 2 threads (the labels)", days(v["date"] for v in used))
+    return Row("engine speed through HTTP against vLLM CPU 0.32 (its defaults), same checkpoint, cache tokens, budget "
+               "and compute threads: TTFT and TPOT of one stream, output tok/s with everything sent at once",
+               figure, lose, on, f"`benchmarks/vllm_compare.sh probe` (`SHAPE=tinyllama-1.1b`; issue 28; {jpath(rel)}, "
+               "labels `*-fp32-*t-base`, `*-tinyllama-1.1b-fp32-*t`)")
+
+
+def prefix_reuse(b: Bench) -> Row:
+    rel = "prefix/serve_fp32_epyc.json"
+    d = b(rel)
+    R = d["results"]
+    ours, vllm, prio = R["ours"], R["vllm"], R.get("vllm-priority", [])
+    rates = [a["rate"] for a in ours]
+    by = lambda runs, r: next(a for a in runs if a["rate"] == r)  # noqa: E731
+    att = lambda runs: " / ".join(pct(by(runs, r)["all"]["attainment"]) for r in rates) + "%"  # noqa: E731
+    gp = " / ".join(ratio(by(ours, r)["all"]["goodput"], by(vllm, r)["all"]["goodput"]) for r in rates)
+    p = prio[0] if prio else None
+    prio_part = ""
+    if p is not None:
+        prio_part = (f" (vLLM with `--scheduling-policy priority`, run at {p['rate']:g} only: {pct(p['all']['attainment'])}%, "
+                     f"ours {ratio(by(ours, p['rate'])['all']['goodput'], p['all']['goodput'])} its goodput)")
+    r0 = rates[0]
+    hit = lambda runs: span([a["all"]["hit_rate"] for a in runs], lambda x: f"{100 * x:.0f}")  # noqa: E731
+    figure = (f"attainment **{att(ours)}** vs vLLM's {att(vllm)} at {' / '.join(f'{r:g}' for r in rates)} sessions/s, "
+              f"goodput **{gp}**{prio_part}; chats' TTFT p50 {num(by(ours, r0)['chat']['ttft_p50_ms'] / 1000)} vs "
+              f"{num(by(vllm, r0)['chat']['ttft_p50_ms'] / 1000)} s at {r0:g}; hit rate {hit(ours)}% vs "
+              f"{hit(vllm + prio)}% (idle histories kept in the tier where vLLM evicts them).")
+    r1 = rates[1]
+    best = max(a["all"]["attainment"] for runs in R.values() for a in runs)
+    lose = (f"documents' TTFT (p90 {num(by(ours, r0)['document']['ttft_p90_ms'] / 1000)} vs "
+            f"{num(by(vllm, r0)['document']['ttft_p90_ms'] / 1000)} s at {r0:g}; under overload `apt` serves chats "
+            f"first and documents wait, p50 {num(by(ours, r1)['document']['ttft_p50_ms'] / 1000)} vs "
+            f"{num(by(vllm, r1)['document']['ttft_p50_ms'] / 1000)} s at {r1:g})"
+            + ("; neither server reaches 90% on this CPU (best "
+               f"{pct(best)}%), so no effective throughput at 90%" if best < 0.9 else ""))
+    on = measured_on(machine(d["machine"]) + ", " + docs("AVX2"), "real engines", docs("random-weight OPT-125m"),
+                     DTYPES[d["args"]["dtype"]], threads(d["args"]["threads"]) + " each", docs("2026-12-04"),
+                     "stale since issue 44 changed `apt`'s admission and prefix lookups (2026-12-06), not re-run")
+    return Row("**traffic that repeats itself**: multi-turn conversations (history re-sent each turn) sharing system "
+               "prompts, beside documents asked several questions; chats TTFT 2 s / P99 gap 0.5 s, documents 8 s / 1 s; "
+               f"{d['args']['num_pages'] * 16:,} KV tokens each, through HTTP against vLLM CPU 0.32 with its defaults "
+               "(prefix caching on)", figure, lose, on, f"`benchmarks/prefix_reuse.py` (issue 27; {jpath(rel)})")
+
+
+def socket_bytes(b: Bench) -> Row:
+    rel = "engine/socket_bytes.json"
+    d = b(rel)
+    k = {r["kind"]: r for r in d["results"]}
+    cum, dl = k["cumulative"], k["delta"]
+    run = d["run"]
+    figure = (f"outputs as deltas: {num(dl['bytes_per_step_mean'] / 1000)} KB a step vs "
+              f"{num(cum['bytes_per_step_mean'] / 1000)} KB with whole outputs "
+              f"(**{ratio(cum['bytes_per_step_mean'], dl['bytes_per_step_mean'])}** fewer bytes, "
+              f"{ratio(cum['pickle_ms_per_step_mean'], dl['pickle_ms_per_step_mean'])} less pickling on the step loop).")
+    lose = "not measured yet: what it changes in TPOT through the server"
+    on = measured_on(machine(d["machine"]) + ", " + docs("AVX2"), "real engine",
+                     f"{run['shape']}, " + docs("random weights"), "fp32 (the script's fixed dtype)", docs("2026-12-04"))
+    return Row(f"what one engine step sends across the engine socket, {run['requests']} running requests of "
+               f"{run['context']:,}-token contexts", figure, lose, on,
+               f"`benchmarks/engine_socket_bytes.py` (issue 28; {jpath(rel)})")
+
+
+NAMES = {"llama": "Llama", "opt": "OPT", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "phi3": "Phi-3",
+         "gemma": "Gemma", "gemma2": "Gemma 2", "gemma3_text": "Gemma 3"}
+
+
+def architectures(b: Bench) -> Row:
+    rel = "architectures.json"
+    d = b(rel)
+    rows, args = d["rows"], d["args"]
+    batches = sorted({r["batch"] for r in rows})
+    same = ("qwen2", "qwen3", "mistral", "phi3", "gemma")
+    masked = ("gemma2", "gemma3_text")
+    over = lambda archs, bs=batches: [r["over_llama"] for r in rows if r["architecture"] in archs and r["batch"] in bs]  # noqa: E731
+    figure = (f"{', '.join(NAMES[a] for a in same)} {span(over(same))}x Llama's step, OPT {span(over(('opt',)))}x.")
+    top = batches[-1]
+    lose = (f"{' / '.join(NAMES[a].split()[-1] if i else NAMES[a] for i, a in enumerate(masked))} "
+            f"{span(over(masked, (top,)))}x Llama's at batch {top} (their capped and windowed layers take the masked "
+            "reference path, not the C++ kernels)")
+    on = measured_on(machine(d["machine"]["machine"], "with AMX"), "real engine", docs("random weights"),
+                     DTYPES[args["dtype"]], threads(args["threads"]), docs("2026-12-04"))
+    return Row(f"every architecture at OPT-125m's sizes (768 wide, 12 layers, multi-head), one whole decode step, batch "
+               f"{' / '.join(map(str, batches))}, context {args['context']}", figure, lose, on,
+               f"`benchmarks/architectures.py` (issue 29; {jpath(rel)})")
+
+
+def sampler(b: Bench) -> Row:
+    rel = "structured/sampling_cost.json"
+    tp = {n: f"structured/tpot/{n}.json" for n in ("penalties", "plain2", "regex", "plain3")}
+    d = b(rel)
+    t = {n: b(p) for n, p in tp.items()}
+    rows = d["rows"]
+    extra = lambda s: [r["extra_us_per_row_token"] for r in rows if r["setting"] == s]  # noqa: E731
+    plain_us = {r["batch"]: 1000 * r["step_ms"] / r["batch"] for r in rows if r["setting"] == "plain"}
+    schema_over_plain = [r["extra_us_per_row_token"] / plain_us[r["batch"]] for r in rows if r["setting"] == "json_schema"]
+    tpot = lambda a, base: ratio(t[a]["mean_tpot_ms"], t[base]["mean_tpot_ms"])  # noqa: E731
+    figure = (f"all three penalties {span(extra('all penalties'))} us, a JSON-schema mask {span(extra('json_schema'))} us; "
+              f"TPOT (mean) with penalties {tpot('penalties', 'plain2')} plain, with a regex constraint "
+              f"{tpot('regex', 'plain3')} (each against the plain run beside it; the TPOT part stale since the engine "
+              "streams deltas, ccc0641: not re-run).")
+    lose = (f"the schema mask adds {span(schema_over_plain)}x plain sampling's own time a row-token (batch "
+            f"{' / '.join(str(r['batch']) for r in rows if r['setting'] == 'json_schema')})")
+    model = t["plain2"]["model_id"]
+    on = measured_on(machine(d["machine"], "with AMX"), f"the sampler alone ({threads(d['run']['threads'])}), then "
+                     f"the server on {model} (the shipped Q4_1 GGUF, dequantised at load, in bf16 with 2 threads: docs), "
+                     f"{t['plain2']['max_concurrency']} concurrent", days(v["date"] for v in t.values()))
+    return Row(f"the sampler's extra work a row-token, {d['run']['vocab']:,}-token vocabulary, batch "
+               f"{' and '.join(str(x) for x in sorted(plain_us))}; TPOT through the server", figure, lose, on,
+               f"`benchmarks/sampling_cost.py`, `benchmarks/online_client.py --extra-body` (issue 29; {jpath(rel)}, "
+               "`docs/benchmarks/structured/tpot/`)")
+
+
+def int8_accuracy(b: Bench) -> Row:
+    rel = "int8_accuracy.json"
+    d = b(rel)
+    res = {r["model"]: r for r in d["results"]}
+    tf = lambda m, kind: [v[kind]["teacher_forced_top1"] for v in res[m]["dtypes"].values() if kind in v]  # noqa: E731
+    eq = lambda m, kind: [v[kind]["greedy_all_equal"] for v in res[m]["dtypes"].values() if kind in v]  # noqa: E731
+    p = lambda x: pct(x)  # noqa: E731
+    randoms = [m for m in res if m != "smollm2"]
+    figure = (f"kv-int8 teacher-forced top-1 agreement with the KV cache: SmolLM2 {span(tf('smollm2', 'kv-int8'), p)}% "
+              f"(bf16 KV against fp32 KV: {span(tf('smollm2', 'kv vs fp32 kv'), p)}%), random "
+              + ", ".join(f"{m} {span(tf(m, 'kv-int8'), p)}%" for m in randoms)
+              + f"; {num(res['smollm2']['capacity']['bfloat16']['kv-int8']['vs_kv'])}x the tokens per page in bf16.")
+    lose = (f"hidden-int8 on SmolLM2 {span(tf('smollm2', 'hidden-int8'), p)}%; free-running greedy text diverges: "
+            f"{span(eq('smollm2', 'kv-int8'), p)}% of prompts' {d['max_tokens']} greedy tokens all equal with kv-int8 on "
+            f"SmolLM2 (bf16 KV against fp32 KV: {span(eq('smollm2', 'kv vs fp32 kv'), p)}%)")
+    on = measured_on(machine(d["cpu"]), "SmolLM2-135M-Instruct (the shipped Q4_1 GGUF, dequantised: docs) and random "
+                     + ", ".join(randoms), " and ".join(DTYPES[k] for k in res["smollm2"]["dtypes"]),
+                     threads(d["cpu"]["threads"]), docs("2026-12-01"))
+    return Row("int8 cache kinds' accuracy and capacity", figure, lose, on, f"`benchmarks/int8_accuracy.py` (issue 13; {jpath(rel)})")
+
+
+ROWS: list[Callable[[Bench], Row]] = [bursts_bf16, bursts_fp32, decision_cost, engine_speed, prefix_reuse, socket_bytes,
+                                     architectures, sampler, int8_accuracy]
+
+FOOTNOTES = [
+    "Built by `scripts/readme_figures.py` from the JSON each row names (ratios, times and rates to 3 significant "
+    "figures, percentages to one decimal; \"docs\" marks a field the JSON lacks, taken from that run's section of "
+    "docs/benchmarks.md). Left out, no JSON behind them (docs/benchmarks.md has them): the decision's 9.6 ms before "
+    "issue 44 and its first pair of runs (1.37 / 1.05 ms), the engine's 73.8 tok/s in process, the penalties' 715 us "
+    "before `TokenCounts`, vLLM's bf16 step ~1.35x faster than ours (issue 41).",
+]
+
+
+def build(bench_dir: Path = ROOT / "docs" / "benchmarks") -> str:
+    """The table (with its footnote) that the JSON under ``bench_dir`` gives, between the markers."""
+    b = Bench(bench_dir)
+    lines = [BEGIN, *HEADER, *(row(b).line() for row in ROWS), "", *FOOTNOTES, END]
+    return "\n".join(lines)
+
+
+def split(readme: str) -> tuple[str, str, str]:
+    i, j = readme.find(BEGIN), readme.find(END)
+    if i < 0 or j < i:
+        raise SystemExit(f"README has no {BEGIN} ... {END} block")
+    return readme[:i], readme[i:j + len(END)], readme[j + len(END):]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--check", action="store_true", help="exit 1 with a diff where README's table differs from the JSON's")
+    p.add_argument("--readme", type=Path, default=ROOT / "README.md")
+    p.add_argument("--bench-dir", type=Path, default=ROOT / "docs" / "benchmarks", help="where the JSON is read")
+    a = p.parse_args(argv)
+    text = a.readme.read_text()
+    head, current, tail = split(text)
+    table = build(a.bench_dir)
+    if a.check:
+        if current == table:
+            return 0
+        for line in difflib.unified_diff(current.splitlines(), table.splitlines(), "README.md", "from the JSON",
+                                         lineterm=""):
+            print(line)
+        print(f"\n{a.readme}: the figures table differs from the JSON; run python scripts/readme_figures.py")
+        return 1
+    if current != table:
+        a.readme.write_text(head + table + tail)
+        print(f"wrote {a.readme}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
