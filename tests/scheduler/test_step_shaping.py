@@ -222,6 +222,30 @@ def test_steps_that_run_longer_than_predicted_shrink_the_next_ones():
         assert sim.now - before <= 0.8 * 0.5 * 1.02
 
 
+def test_a_quantile_margin_follows_the_tail_of_the_prediction_error_not_its_envelope():
+    # Steps run 1.0x their prediction, with every tenth 2.0x (a neighbour's burst): the envelope
+    # jumps at each slow step and decays between them; the P90 margin settles between the two.
+    from apt_serve_ray.scheduler.policies.apt.policy import STEP_ERROR_MIN_SAMPLES
+
+    config = EngineConfig(policy="apt", calibrate_rho=False)
+    ratios = [2.0 if i % 10 == 9 else 1.0 for i in range(100)]
+    p90 = AdaptiveScheduler(config=config, rho=0.0, step_model=COST, step_margin_quantile=0.9)
+    envelope = AdaptiveScheduler(config=config, rho=0.0, step_model=COST)
+    seen = []
+    for i, ratio in enumerate(ratios):
+        for policy in (p90, envelope):
+            policy.observe_step(0.2, 0.2 * ratio)
+        if i + 1 == STEP_ERROR_MIN_SAMPLES - 1:
+            assert p90.slowdown == pytest.approx(envelope.slowdown)  # too few samples: the envelope
+        seen.append(envelope.slowdown)
+    assert p90.slowdown == pytest.approx(float(np.quantile(ratios, 0.9)))
+    assert max(seen[50:]) - min(seen[50:]) > 0.15  # the envelope swings with every slow step
+    p90.observe_step(0.05, 1.0)  # a step predicted under 0.1 s does not count
+    assert p90.slowdown == pytest.approx(float(np.quantile(ratios, 0.9)))
+    with pytest.raises(ValueError, match="step_margin_quantile"):
+        AdaptiveScheduler(config=config, step_margin_quantile=0.2)
+
+
 # Admission as a promise (issue 44) -------------------------------------------------------------------
 # Decode rows dear enough (a context term 10x COST's) that a burst of 30 chats cannot all decode within
 # a 0.5-s gap: 0.03 + 30 x (0.0014 + 1e-4 x 264) s = 0.86 s a step.

@@ -95,6 +95,8 @@ measured by the engine at start.
 
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
 
 from apt_serve_ray.scheduler.candidates import KIND_CODE, KINDS, Candidates, WaitingRows
@@ -109,6 +111,12 @@ from apt_serve_ray.scheduler.registry import register_policy
 from apt_serve_ray.scheduler.value import FAIRNESS_PENALTY, MAX_WAIT_S, ValueWeights
 
 
+# ``step_margin_quantile``: the steps whose prediction error sets the margin (those predicted at 0.1 s or
+# more), and how many before the quantile replaces the envelope.
+STEP_ERROR_WINDOW = 200
+STEP_ERROR_MIN_SAMPLES = 20
+
+
 @register_policy
 class AdaptiveScheduler(SchedulingPolicy):
     name = "apt"
@@ -120,7 +128,7 @@ class AdaptiveScheduler(SchedulingPolicy):
         *, config=None, rho: float | None = None, step_model=None, tbt_headroom: float = 0.8,
         hidden_cost_steps: float = 8.0, evict_missed: bool = False, priority_preemption: bool = True,
         admission_share: float | None = 0.8, reserve_after: float | None = 0.5, write_off_late: bool = True,
-        shed_late: bool = False,
+        shed_late: bool = False, step_margin_quantile: float | None = None,
     ) -> None:
         super().__init__(config)
         self.weights = ValueWeights(time_weight, memory_weight, slo_weight, priority_weight)
@@ -136,6 +144,8 @@ class AdaptiveScheduler(SchedulingPolicy):
             raise ValueError(f"admission_share: must be in (0, 1] or None, got {admission_share!r}")
         if reserve_after is not None and not 0.0 <= reserve_after < 1.0:
             raise ValueError(f"reserve_after: must be in [0, 1) or None, got {reserve_after!r}")
+        if step_margin_quantile is not None and not 0.5 <= step_margin_quantile <= 1.0:
+            raise ValueError(f"step_margin_quantile: must be in [0.5, 1] or None, got {step_margin_quantile!r}")
         self.fairness_penalty, self.max_wait_time = float(fairness_penalty), float(max_wait_time)
         # Given costs win; the engine measures the ones left None and injects them (``set_costs``).
         self.costs = StepCosts(rho, step_model)
@@ -170,6 +180,10 @@ class AdaptiveScheduler(SchedulingPolicy):
         self._waiting_rows = WaitingRows()
         self.predictor = None  # a TrafficPredictor (``enable_prediction``); the engine feeds it arrivals
         self.slowdown = 1.0  # measured / predicted step seconds lately (``observe_step``)
+        # The margin a step's prediction is scaled by: None, an envelope of the ratio that rises fast and
+        # falls slowly; q, the q-quantile of the last ``STEP_ERROR_WINDOW`` ratios (issue 44, item 4).
+        self.step_margin_quantile = step_margin_quantile
+        self._step_ratios: deque[float] = deque(maxlen=STEP_ERROR_WINDOW)
         self.sampling_costs = (0.0, 0.0)  # seconds a structured-output row, a penalised row (``observe_sampling``)
 
     def enable_prediction(self, predictor) -> None:
@@ -258,5 +272,10 @@ class AdaptiveScheduler(SchedulingPolicy):
         if predicted_s < 0.1 or not measured_s > 0:
             return
         ratio = min(3.0, max(0.5, measured_s / predicted_s))
+        if self.step_margin_quantile is not None:
+            self._step_ratios.append(ratio)
+            if len(self._step_ratios) >= STEP_ERROR_MIN_SAMPLES:
+                self.slowdown = float(np.quantile(self._step_ratios, self.step_margin_quantile))
+                return
         rate = 0.3 if ratio > self.slowdown else 0.03
         self.slowdown += rate * (ratio - self.slowdown)
