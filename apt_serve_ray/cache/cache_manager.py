@@ -11,6 +11,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from apt_serve_ray.cache.kinds import KINDS
 from apt_serve_ray.cache.layout import CacheLayout
 from apt_serve_ray.cache.page_pool import PagePool, retention_weight
 from apt_serve_ray.cache.swap import SwapSpace
@@ -34,13 +35,13 @@ class ConversionPlan:
 
     @property
     def is_upgrade(self) -> bool:
-        return self.to_kind is CacheKind.KV
+        return not self.to_kind.is_compressed
 
 
 # Kinds a copy in the tier can be turned into on its way back, without recomputing: quantised as it
 # is read (the int8 kind of the same content). The other way (int8 -> full precision) keeps the error,
 # and KV -> hidden is impossible (x is gone): those come back in their own kind, or are recomputed.
-CONVERSIONS = frozenset({(CacheKind.KV, CacheKind.KV_INT8), (CacheKind.HIDDEN, CacheKind.HIDDEN_INT8)})
+CONVERSIONS = frozenset((kind, kind.compresses_to) for kind in KINDS if kind.compresses_to is not None)
 
 
 def can_convert(from_kind: CacheKind | None, to_kind: CacheKind | None) -> bool:
@@ -562,17 +563,18 @@ class CacheManager:
         if there is not enough memory."""
         if request.kind is None or not request.kind.is_compressed:
             raise ValueError(f"request {request.request_id} holds no compressed pages")
+        to_kind = request.kind.upgrades_to
         head, start = request.num_prefix_pages, request.num_prefix_tokens
-        pages = self.pool.allocate(self.layout.num_pages_for(max(0, num_total_tokens - start), CacheKind.KV),
-                                   CacheKind.KV, request.request_id)
+        pages = self.pool.allocate(self.layout.num_pages_for(max(0, num_total_tokens - start), to_kind),
+                                   to_kind, request.request_id)
         if pages is None:
             return None
         own = request.page_ids[head:]
         plan = ConversionPlan(request.request_id, request.num_computed_tokens - start, own, pages,
-                              request.kind, CacheKind.KV, start)
+                              request.kind, to_kind, start)
         self._deferred.append((own[::-1], request.request_id))
         exact = not request.kind.is_int8  # K/V projected from x: what a forward pass writes
-        request.kind = request.last_kind = CacheKind.KV
+        request.kind = request.last_kind = to_kind
         request.page_ids = request.page_ids[:head] + pages
         # Named again after the step has written them (``name_computed_pages``), where exact; dequantised
         # K/V are not what a KV request would compute, and must not be found as such.
