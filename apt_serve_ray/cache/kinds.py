@@ -29,37 +29,14 @@ class CacheKind(str, enum.Enum):
     KV_INT8 = "kv-int8"
     HIDDEN_INT8 = "hidden-int8"
 
-    @property
-    def spec(self) -> KindSpec:
-        return self._spec
-
-    @property
-    def stores_hidden(self) -> bool:
-        """Pages hold x (hidden, hidden-int8), not K/V."""
-        return self._spec.stores_hidden
-
-    @property
-    def is_int8(self) -> bool:
-        return self._spec.int8
-
-    @property
-    def is_compressed(self) -> bool:
-        return self._spec.upgrades_to is not None
-
-    @property
-    def base(self) -> CacheKind:
-        """The full-precision kind that stores the same thing (kv or hidden)."""
-        return self._base
-
-    @property
-    def compresses_to(self) -> CacheKind | None:
-        """The int8 kind its pages are quantised to, in place or on their way back from the tier."""
-        return self._spec.compresses_to
-
-    @property
-    def upgrades_to(self) -> CacheKind | None:
-        """The kind a compressed kind goes back to in place (kv); None for kv itself."""
-        return self._spec.upgrades_to
+    # Each member's spec and what follows from it (set from ``SPECS`` below, as the module loads):
+    spec: KindSpec  # its entry in ``SPECS``
+    stores_hidden: bool  # pages hold x (hidden, hidden-int8), not K/V
+    is_int8: bool  # pages hold int8 data and float32 scales (kv-int8, hidden-int8)
+    is_compressed: bool  # every kind but kv (``cache_ratio`` caps their share of the pool)
+    base: CacheKind  # the full-precision kind that stores the same thing (kv or hidden)
+    compresses_to: CacheKind | None  # the int8 kind its pages are quantised to, in place or back from the tier
+    upgrades_to: CacheKind | None  # the kind a compressed kind goes back to in place (kv); None for kv
 
 
 @dataclass(frozen=True)
@@ -118,16 +95,19 @@ KINDS: tuple[CacheKind, ...] = tuple(s.kind for s in SPECS)
 
 
 def _attach() -> None:
-    """Give every member its spec and its base kind; the registry and the enum must name the same kinds."""
+    """Give every member its spec and the fields that follow from it; the registry and the enum must
+    name the same kinds, KV first."""
     if sorted(KINDS) != sorted(CacheKind) or len(set(KINDS)) != len(KINDS) or KINDS[0] is not CacheKind.KV:
         raise RuntimeError("cache/kinds.py: SPECS and CacheKind disagree, or KV is not first")
     for spec in SPECS:
-        spec.kind._spec = spec
-    for spec in SPECS:
+        kind = spec.kind
+        kind.spec, kind.stores_hidden, kind.is_int8 = spec, spec.stores_hidden, spec.int8
+        kind.is_compressed = spec.upgrades_to is not None
+        kind.compresses_to, kind.upgrades_to = spec.compresses_to, spec.upgrades_to
         bases = [s.kind for s in SPECS if s.stores_hidden == spec.stores_hidden and not s.int8]
         if len(bases) != 1:
             raise RuntimeError(f"cache/kinds.py: {spec.name} has {len(bases)} full-precision kinds storing the same")
-        spec.kind._base = bases[0]
+        kind.base = bases[0]
     for spec in SPECS:
         to = spec.compresses_to
         if to is not None and (not to.is_int8 or to.base is not spec.kind):
