@@ -5,11 +5,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from apt_serve_ray.cache.kinds import BY_COST, COMPRESSED, CacheKind
 from apt_serve_ray.models.loader import DEFAULT_MODEL
 from apt_serve_ray.scheduler.watermarks import HEAVY_WATERMARK, HIDDEN_RATIO_STEP, LIGHT_WATERMARK, MAX_HIDDEN_RATIO
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
-COMPRESSED_KIND_NAMES = ("hidden", "kv-int8", "hidden-int8")
+COMPRESSED_KIND_NAMES = tuple(k.value for k in COMPRESSED)  # ("hidden", "kv-int8", "hidden-int8")
 _DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # see apt_serve_ray.attention
 
@@ -168,12 +169,10 @@ class EngineConfig:
         step first: each one allowed by ``cache_kinds`` and the hybrid-cache switches, holding more
         tokens per page than KV and than every cheaper kind offered (hidden-int8 on a grouped-query
         model holds fewer than kv-int8 and costs more: never offered)."""
-        from apt_serve_ray.request import CacheKind
-
         allowed = set(self.cache_kinds)
         hidden_ok = self.hidden_allowed(layout.hidden_saves_memory)
         offered, best = [], layout.block_size
-        for kind in (CacheKind.KV_INT8, CacheKind.HIDDEN, CacheKind.HIDDEN_INT8):  # by cost per step
+        for kind in BY_COST:  # kv-int8, hidden, hidden-int8
             if kind.value not in allowed or (kind.stores_hidden and not hidden_ok):
                 continue
             tpp = layout.tokens_per_page(kind)

@@ -12,45 +12,12 @@ import enum
 import itertools
 import time
 
-from apt_serve_ray.scheduler.gap_budget import GapBudget
+from apt_serve_ray.cache.kinds import CacheKind  # the public name of a cache kind (defined with its spec)
 from apt_serve_ray.sampling.params import SamplingParams
+from apt_serve_ray.scheduler.gap_budget import GapBudget
 
 
 _arrival_order = itertools.count()
-
-
-class CacheKind(str, enum.Enum):
-    """What a request's pages hold. Every kind fills the same fixed-size pages (``cache/layout.py``).
-
-    ``kv``: K and V in the model's dtype (exact). ``hidden``: the layer input x; K/V are projected from
-    it when attended (exact, fewer bytes for multi-head models, costs compute). ``kv-int8`` and
-    ``hidden-int8``: the same, quantised to int8 with a float32 scale per token and head (KV) or per
-    token and group of ``head_dim`` elements (hidden), stored beside the data in the page (lossy).
-    Every kind but ``kv`` is *compressed*: ``cache_ratio`` caps their share of the pool.
-    """
-
-    KV = "kv"
-    HIDDEN = "hidden"
-    KV_INT8 = "kv-int8"
-    HIDDEN_INT8 = "hidden-int8"
-
-    @property
-    def stores_hidden(self) -> bool:
-        """Pages hold x (hidden, hidden-int8), not K/V."""
-        return self is CacheKind.HIDDEN or self is CacheKind.HIDDEN_INT8
-
-    @property
-    def is_int8(self) -> bool:
-        return self is CacheKind.KV_INT8 or self is CacheKind.HIDDEN_INT8
-
-    @property
-    def is_compressed(self) -> bool:
-        return self is not CacheKind.KV
-
-    @property
-    def base(self) -> "CacheKind":
-        """The full-precision kind that stores the same thing (kv or hidden)."""
-        return CacheKind.HIDDEN if self.stores_hidden else CacheKind.KV
 
 
 class RequestStatus(enum.Enum):

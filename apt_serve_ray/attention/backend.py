@@ -75,13 +75,11 @@ class AttentionBackend:
     def decode(self, layer: int, kind: CacheKind, q, g: DecodeGroup, storage: CacheStorage, proj: KVProjection,
                scale: float) -> torch.Tensor:
         """Decode rows of one kind: its own path (the kinds that store x also need the projection)."""
-        if kind is CacheKind.KV:
-            return self.decode_kv(layer, q, g, storage, scale)
-        if kind is CacheKind.KV_INT8:
-            return self.decode_kv_int8(layer, q, g, storage, scale)
-        if kind is CacheKind.HIDDEN:
-            return self.decode_hidden(layer, q, g, storage, proj, scale)
-        return self.decode_hidden_int8(layer, q, g, storage, proj, scale)
+        if kind.stores_hidden:
+            decode = self.decode_hidden_int8 if kind.is_int8 else self.decode_hidden
+            return decode(layer, q, g, storage, proj, scale)
+        decode = self.decode_kv_int8 if kind.is_int8 else self.decode_kv
+        return decode(layer, q, g, storage, scale)
 
     def decode_segmented(self, layer: int, q, seg: SegmentedDecode, storage: CacheStorage, scale: float):
         """Each segment by itself (``decode_lse``), merged by the log-sum-exps: attention over both."""
@@ -112,7 +110,7 @@ class AttentionBackend:
         storage = meta.storage
         out = torch.empty_like(q)
         for kind, g in meta.decodes.items():
-            if kind is CacheKind.KV:  # the reference KV decode's gather, with the window in its mask
+            if not (kind.stores_hidden or kind.is_int8):  # KV: the reference decode's gather, the window in its mask
                 add_mask = _gather_index(g, "add_mask", storage)
                 if window is not None:
                     pos, last = _gather_index(g, "positions", storage), g.ctx_lens.long() - 1
@@ -161,17 +159,17 @@ class AttentionBackend:
     def write(layer: int, k, v, x, meta: AttentionMetadata) -> None:
         storage = meta.storage
         for kind, w in meta.writes.items():
-            if kind is CacheKind.KV:
-                kv_new = torch.stack((k[w.rows], v[w.rows]), dim=1).flatten(1)
-                storage.kv_token_rows[layer].index_copy_(0, w.slots, kv_new)
-            elif kind is CacheKind.HIDDEN:
+            if kind.is_int8:  # the same content, quantised on write
+                data = x[w.rows] if kind.stores_hidden else torch.stack((k[w.rows], v[w.rows]), dim=1)
+                storage.write_int8(layer, kind, w.pages, w.offsets, data)
+            elif kind.stores_hidden:
                 if storage.hidden_rows is not None:
                     storage.hidden_rows[layer].index_copy_(0, w.slots, x[w.rows])
                 else:
                     storage.hidden[layer][w.pages, w.offsets] = x[w.rows]
-            else:  # int8: the same content, quantised on write
-                data = x[w.rows] if kind.stores_hidden else torch.stack((k[w.rows], v[w.rows]), dim=1)
-                storage.write_int8(layer, kind, w.pages, w.offsets, data)
+            else:
+                kv_new = torch.stack((k[w.rows], v[w.rows]), dim=1).flatten(1)
+                storage.kv_token_rows[layer].index_copy_(0, w.slots, kv_new)
 
     # 2. decode ------------------------------------------------------------------------------------
     def decode_kv(self, layer: int, q, g: DecodeGroup, storage: CacheStorage, scale: float) -> torch.Tensor:
@@ -262,7 +260,7 @@ def read_x(layer: int, storage: CacheStorage, kind: CacheKind, pages, offsets, d
            valid: torch.Tensor | None = None) -> torch.Tensor:
     """Stored x [..., n, HID] at ``pages``/``offsets`` [..., n] of a hidden or hidden-int8 page (the
     latter dequantised to ``dtype``). ``valid`` [..., n]: slots outside it read as zeros."""
-    if kind is CacheKind.HIDDEN:
+    if not kind.is_int8:
         xs = storage.hidden[layer][pages, offsets]
         return xs if valid is None else xs.masked_fill(~valid[..., None], 0)
     scales = storage.hidden_int8_scale[layer][pages, offsets]
@@ -278,7 +276,7 @@ def read_kv(layer: int, storage: CacheStorage, kind: CacheKind, pages, offsets, 
     for the kinds that store x. ``valid`` [..., n]: slots outside it read as zeros (padding)."""
     if kind.stores_hidden:
         return proj(read_x(layer, storage, kind, pages, offsets, dtype, valid), positions)
-    if kind is CacheKind.KV:
+    if not kind.is_int8:
         kv = storage.kv[layer][pages, offsets]  # [..., n, 2, KVH, D]
         if valid is not None:
             kv = kv.masked_fill(~valid[..., None, None, None], 0)

@@ -65,7 +65,7 @@ class CpuBackend(AttentionBackend):
                 scale: float) -> torch.Tensor:
         path = self._path(q, k.shape[1])
         ctx = c.start_pos + c.num_tokens
-        if c.kind is CacheKind.KV and c.start_pos > 0 and c.segments is None:
+        if not (c.kind.stores_hidden or c.kind.is_int8) and c.start_pos > 0 and c.segments is None:
             kv = storage.kv[layer]
             if path == "kernel":  # reads the pages in place
                 return cpu_attention.prefill_attention(q, kv[:, :, 0], kv[:, :, 1], c.block_table, c.start_pos, scale)
@@ -95,9 +95,9 @@ class CpuBackend(AttentionBackend):
                                                     proj.num_kv_heads, scale)
 
     def decode_lse(self, layer: int, q, kind: CacheKind, g: DecodeGroup, storage: CacheStorage, scale: float):
-        if kind is CacheKind.KV:
+        if not kind.stores_hidden and not kind.is_int8:
             return cpu_attention.kv_decode_lse(q, storage.kv[layer], g.block_table, g.ctx_lens, scale)
-        if kind is CacheKind.KV_INT8:
+        if not kind.stores_hidden:
             return cpu_attention.kv_int8_decode_lse(q, storage.kv_int8[layer], storage.kv_int8_scale[layer],
                                                     g.block_table, g.ctx_lens, scale)
         return super().decode_lse(layer, q, kind, g, storage, scale)

@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 
-from apt_serve_ray.request import CacheKind
+from apt_serve_ray.cache.kinds import SPECS, CacheKind
 
 SCALE_BYTES = 4  # float32 scales
 _SCALE_ALIGN = 16
@@ -89,34 +89,36 @@ class CacheLayout:
         return self.head_dim if self.hidden_size % self.head_dim == 0 else self.hidden_size
 
     @cached_property
-    def kv_int8(self) -> Int8Geometry:
-        return _int8_geometry(self.page_bytes, 2 * self.kv_dim, 2 * self.num_kv_heads, self.head_dim)
-
-    @cached_property
-    def hidden_int8(self) -> Int8Geometry:
-        group = self.quant_group
-        return _int8_geometry(self.page_bytes, self.hidden_size, self.hidden_size // group, group)
+    def _int8(self) -> dict[CacheKind, Int8Geometry]:
+        """Each int8 kind's geometry, from its spec: the elements of a token, and how many share a scale."""
+        geos = {}
+        for spec in SPECS:
+            if spec.int8:
+                group = spec.scale_group(self)
+                elems = spec.token_elems(self)
+                geos[spec.kind] = _int8_geometry(self.page_bytes, elems, elems // group, group)
+        return geos
 
     def int8(self, kind: CacheKind) -> Int8Geometry:
-        if kind is CacheKind.KV_INT8:
-            return self.kv_int8
-        if kind is CacheKind.HIDDEN_INT8:
-            return self.hidden_int8
-        raise ValueError(f"kind: {kind.value} is not an int8 kind")
+        geo = self._int8.get(kind)
+        if geo is None:
+            raise ValueError(f"kind: {kind.value} is not an int8 kind")
+        return geo
+
+    @cached_property
+    def _tokens_per_page(self) -> dict[CacheKind, int]:
+        """Full precision: as many tokens as fit the page's elements (kv: ``block_size``); int8: the geometry's."""
+        return {s.kind: self.int8(s.kind).tokens_per_page if s.int8 else self.page_elems // s.token_elems(self)
+                for s in SPECS}
 
     def tokens_per_page(self, kind: CacheKind) -> int:
-        if kind is CacheKind.KV:
-            return self.block_size
-        if kind is CacheKind.HIDDEN:
-            return self.page_elems // self.hidden_size
-        return self.int8(kind).tokens_per_page
+        return self._tokens_per_page[kind]
 
     def bytes_per_token(self, kind: CacheKind) -> int:
         """Bytes one token takes over all layers (scales included), not counting a page's unused tail."""
         if kind.is_int8:
             return self.num_layers * self.int8(kind).bytes_per_token
-        per_layer = 2 * self.kv_dim if kind is CacheKind.KV else self.hidden_size
-        return self.num_layers * per_layer * self.dtype_bytes
+        return self.num_layers * kind.spec.token_elems(self) * self.dtype_bytes
 
     @property
     def hidden_ratio(self) -> float:

@@ -19,7 +19,8 @@ from operator import attrgetter
 
 import numpy as np
 
-from apt_serve_ray.request import CacheKind, Request
+from apt_serve_ray.cache.kinds import KINDS, CacheKind
+from apt_serve_ray.request import Request
 from apt_serve_ray.scheduler.value import importance, urgency
 
 # What is read of every candidate, one float column each (None, no token yet, reads as NaN), then
@@ -29,8 +30,8 @@ _FIELDS = tuple(attrgetter(name) for name in ("arrival_time", "last_token_time",
 _NUM_COLUMNS = len(_FIELDS) + 1
 _TOKENS, _PAGES, _COMPUTED, _KIND, _SLOTS = (attrgetter(name) for name in (
     "all_token_ids", "page_ids", "num_computed_tokens", "kind", "swap_slots"))
-# The cache kinds in the order of ``Candidates.mem``'s rows and ``held``'s codes; KV first.
-KINDS = (CacheKind.KV, CacheKind.HIDDEN, CacheKind.KV_INT8, CacheKind.HIDDEN_INT8)
+# The cache kinds in the order of ``Candidates.mem``'s rows and ``held``'s codes: the registry's
+# (``cache/kinds.py``: KV first), imported from there.
 KIND_CODE = {kind: code for code, kind in enumerate(KINDS)}
 NO_PAGES = -1  # ``held`` of a request holding no pages (waiting)
 _HELD_CODE = {**KIND_CODE, None: NO_PAGES}

@@ -19,7 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Protocol
 
-from apt_serve_ray.request import CacheKind
+from apt_serve_ray.cache.kinds import CacheKind
+
+# How each kind's extra step time is priced (its spec's ``cost``): kv is the reference; hidden by rho and
+# the step-time model's hidden context; the others per page, as measured (``StepCosts.kind_costs``).
+_BY_RHO = frozenset(k for k in CacheKind if k.spec.cost == "rho")
 
 
 class StepTimeModel(Protocol):
@@ -57,7 +61,7 @@ def rows_features(rows) -> tuple[int, int, int, int]:
 def step_features(chunks) -> tuple[int, int, int, int]:
     """``rows_features`` of a step's ``ScheduledChunk``s (before the step: ``num_computed_tokens`` is where
     each chunk starts)."""
-    return rows_features((c.request.num_computed_tokens, c.num_tokens, c.request.kind is CacheKind.HIDDEN)
+    return rows_features((c.request.num_computed_tokens, c.num_tokens, c.request.kind in _BY_RHO)
                          for c in chunks)
 
 
@@ -99,7 +103,7 @@ class StepCosts:
                 kind = CacheKind(kind)
             except ValueError:
                 raise ValueError(f"kind_costs: unknown cache kind {kind!r}") from None
-            if not kind.is_compressed or kind is CacheKind.HIDDEN:
+            if kind.spec.cost != "measured":
                 raise ValueError(f"kind_costs: {kind.value} has no entry here (kv costs nothing; hidden's is rho)")
             if isinstance(seconds, bool) or not (isinstance(seconds, (int, float)) and seconds >= 0):
                 raise ValueError(f"kind_costs: {kind.value} must be >= 0 seconds per page, got {seconds!r}")
@@ -126,9 +130,9 @@ class StepCosts:
 
     def known(self, kind: CacheKind) -> bool:
         """Whether ``kind``'s per-step cost was given or measured."""
-        if kind is CacheKind.HIDDEN:
+        if kind in _BY_RHO:
             return self.rho is not None
-        return kind is CacheKind.KV or any(k is kind for k, _ in self.kind_costs)
+        return kind.spec.cost == "none" or any(k is kind for k, _ in self.kind_costs)
 
     def conversion_seconds(self, from_kind: CacheKind, to_kind: CacheKind, num_tokens: int) -> float:
         """What converting ``num_tokens`` tokens in place from one kind to another adds to a step (0:
@@ -140,6 +144,6 @@ class StepCosts:
 
     def seconds_per_page(self, kind: CacheKind) -> float:
         """Extra decode-step seconds per KV page's worth of context held in ``kind`` (unknown: 0)."""
-        if kind is CacheKind.HIDDEN:
+        if kind in _BY_RHO:
             return self.rho or 0.0
         return dict(self.kind_costs).get(kind, 0.0)

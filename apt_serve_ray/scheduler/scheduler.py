@@ -13,6 +13,7 @@ from collections import deque
 from itertools import compress
 
 from apt_serve_ray.cache.cache_manager import CacheManager, can_convert
+from apt_serve_ray.cache.kinds import STORE_HIDDEN
 from apt_serve_ray.config import EngineConfig
 from apt_serve_ray.request import CacheKind, Request, RequestStatus
 from apt_serve_ray.scheduler.costs import predict_step, recompute_seconds
@@ -75,7 +76,7 @@ class Scheduler:
     def hidden_share(self) -> float:
         used = self.cache.pool.num_used_pages
         pool = self.cache.pool
-        return (pool.num_used(CacheKind.HIDDEN) + pool.num_used(CacheKind.HIDDEN_INT8)) / used if used else 0.0
+        return sum(pool.num_used(k) for k in STORE_HIDDEN) / used if used else 0.0
 
     def compressed_page_limit(self) -> int:
         """The ceiling ``cache_ratio`` sets: pages of the pool that compressed kinds may hold."""
@@ -305,7 +306,7 @@ class SchedulingContext:
             num_computed, swapped = 0, False
         if request.kind is None or (swapped and kind is not None and kind is not request.kind):
             kind = kind or self.default_kind()
-            if kind is not CacheKind.KV and kind not in self._s.compressed_kinds:
+            if kind.is_compressed and kind not in self._s.compressed_kinds:
                 raise ValueError(f"kind: the {kind.value} cache kind is disabled for this model")
         elif kind is not None and kind is not request.kind:
             raise ValueError(f"kind: request {request_id} already holds {request.kind.value} pages")

@@ -66,7 +66,7 @@ def measure_costs(runner, pool, known: StepCosts = StepCosts(), *, hidden_allowe
                            kind.value, type(exc).__name__, exc)
             unavailable.add(kind)
             continue
-        if kind is CacheKind.HIDDEN:
+        if kind.spec.cost == "rho":
             rho, rho_calibration = calibration.seconds_per_page, calibration
         else:
             costs[kind] = calibration.seconds_per_page
@@ -94,7 +94,7 @@ def conversion_pairs(kinds) -> list[tuple[CacheKind, CacheKind]]:
     every kind upgraded to KV, and each int8 kind compressed from its full-precision base."""
     pairs = []
     for kind in kinds:
-        pairs.append((kind, CacheKind.KV))
+        pairs.append((kind, kind.upgrades_to))
         if kind.is_int8:
             pairs.append((kind.base, kind))
     return pairs
@@ -105,7 +105,7 @@ def conversion_seconds_per_token(runner, pool, from_kind: CacheKind, to_kind: Ca
                                  repeats: int = 2) -> float:
     """Seconds per token of ``runner``'s in-place conversion (``ModelRunner._convert``) of ``num_tokens``
     tokens from ``from_kind`` pages to ``to_kind`` pages, on pages borrowed from ``pool``."""
-    from apt_serve_ray.cache.cache_manager import ConversionPlan
+    from apt_serve_ray.cache.conversions import ConversionPlan
 
     layout, device = runner.layout, runner.device
     num_tokens = min(num_tokens, runner.max_model_len)
@@ -187,7 +187,7 @@ def calibrate_rho(runner, lengths: tuple[int, ...] = DEFAULT_RHO_LENGTHS, repeat
 def _decode_fn(backend, model, kind: CacheKind):
     """The backend's decode of one layer over pages of ``kind`` as ``f(layer, q, group, storage)``
     (AttributeError where the backend has none: the kind cannot run)."""
-    attend = getattr(backend, "decode_" + kind.value.replace("-", "_"))
+    attend = getattr(backend, "decode_" + kind.spec.view)
     if kind.stores_hidden:
         return lambda layer, q, g, storage: attend(layer, q, g, storage, model.kv_projections[layer], model.scale)
     return lambda layer, q, g, storage: attend(layer, q, g, storage, model.scale)

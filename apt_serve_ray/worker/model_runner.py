@@ -263,8 +263,8 @@ class ModelRunner:
         pos = self._to(pos + plan.start_token)  # positions: K is rotated where it sits
         for layer in range(self.layout.num_layers):
             if not plan.is_upgrade:
-                view = self.storage.kv if plan.from_kind is CacheKind.KV else self.storage.hidden
-                self.storage.write_int8(layer, plan.to_kind, dst_pages, dst_offs, view[layer][src_pages, src_offs])
+                src = self.storage.view(plan.from_kind)[layer][src_pages, src_offs]
+                self.storage.write_int8(layer, plan.to_kind, dst_pages, dst_offs, src)
                 continue
             k, v = read_kv(layer, self.storage, plan.from_kind, src_pages, src_offs,
                            self.model.kv_projections[layer], pos, self.dtype)

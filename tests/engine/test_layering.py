@@ -79,8 +79,9 @@ LAYERS = [
     {"scheduler"},
     {"models", "attention", "kernels", "sampling"},
     {"cache"},
-    # shared by every layer: the settings, a request and what it carries, the facts of this CPU
-    {"config", "request", "sampling.params", "scheduler.gap_budget", "worker.cpu_info"},
+    # shared by every layer: the settings, a request and what it carries (its cache kind, sampling
+    # parameters, gap budget), the facts of this CPU
+    {"config", "request", "cache.kinds", "sampling.params", "scheduler.gap_budget", "worker.cpu_info"},
 ]
 # ``config.py`` validates every layer's settings against the names each layer defines (policies,
 # attention backends, retentions, grammar backends, the default model): it may read any layer.

@@ -26,13 +26,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from apt_serve_ray.request import CacheKind
 from apt_serve_ray.scheduler.candidates import KIND_CODE, KINDS
 from apt_serve_ray.scheduler.policies.apt.decision import Decision
 
 # The int8 kind each full-precision kind is compressed to in place (index in KINDS -> index).
-_COMPRESS_TO = {KIND_CODE[CacheKind.KV]: KIND_CODE[CacheKind.KV_INT8],
-                KIND_CODE[CacheKind.HIDDEN]: KIND_CODE[CacheKind.HIDDEN_INT8]}
+_COMPRESS_TO = {KIND_CODE[k]: KIND_CODE[k.compresses_to] for k in KINDS if k.compresses_to is not None}
 
 
 def compress_for_waiting(d: Decision) -> int:
@@ -125,4 +123,5 @@ def set_kinds(d: Decision) -> None:
 def upgrade_s(d: Decision, i: int) -> float:
     """What upgrading running row ``i`` to KV in place adds to this step."""
     c = d.c
-    return d.policy.costs.conversion_seconds(KINDS[int(c.held[i])], CacheKind.KV, int(c.num_computed[i]))
+    held = KINDS[int(c.held[i])]
+    return d.policy.costs.conversion_seconds(held, held.upgrades_to, int(c.num_computed[i]))
