@@ -199,3 +199,25 @@ def format_summary(summary: dict, metrics: tuple[str, ...] | list[str] = _METRIC
         row(f"P99 {short} (ms):", summary[f"p99_{name}_ms"])
     lines.append("=" * 50)
     return "\n".join(lines)
+
+
+GOODPUT_KEYS = {"ttft": "ttft_slo_ms", "tpot": "tpot_slo_ms", "e2el": "e2el_slo_ms",
+                "itl": "tbt_slo_ms", "tbt": "tbt_slo_ms"}
+
+
+def parse_goodput(items: list[str]) -> dict[str, float]:
+    """SLO flags as ``vllm bench serve --goodput`` takes them:
+    ``["ttft:4000", "tbt:500"]`` -> ``{"ttft_slo_ms": 4000.0, "tbt_slo_ms": 500.0}``."""
+    slos = {}
+    for item in items:
+        name, _, value = item.partition(":")
+        if name not in GOODPUT_KEYS:
+            raise ValueError(f"--goodput: {name!r} is not one of {sorted(GOODPUT_KEYS)}")
+        try:
+            ms = float(value)
+        except ValueError:
+            raise ValueError(f"--goodput: {item!r} is not NAME:MILLISECONDS") from None
+        if not ms > 0:
+            raise ValueError(f"--goodput: {item!r} needs a value > 0")
+        slos[GOODPUT_KEYS[name]] = ms
+    return slos
