@@ -33,12 +33,15 @@ class Default:
             raise ValueError("Default: say why the benchmark differs from EngineConfig")
 
 
-def _kinds(text: str) -> list[str]:
-    kinds = [k for k in text.split(",") if k]
-    bad = [k for k in kinds if k not in COMPRESSED_KIND_NAMES]
-    if bad:
-        raise argparse.ArgumentTypeError(f"unknown cache kinds {bad}; valid: {list(COMPRESSED_KIND_NAMES)}")
-    return kinds
+class _Kinds(argparse.Action):
+    """Cache kinds space- or comma-separated (``hidden kv-int8`` or ``hidden,kv-int8``), as one list."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        kinds = [k for v in values for k in v.split(",") if k]
+        bad = [k for k in kinds if k not in COMPRESSED_KIND_NAMES]
+        if bad:
+            parser.error(f"{option_string}: unknown cache kinds {bad}; valid: {list(COMPRESSED_KIND_NAMES)}")
+        setattr(namespace, self.dest, kinds)
 
 
 # EngineConfig field -> (flags, argparse keywords); the first flag is the one the docs quote.
@@ -51,7 +54,7 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict]] = {
     "max_num_seqs": (("--max-num-seqs",), dict(type=int, help="requests a step")),
     "swap_space": (("--swap-space",), dict(type=float, help="GiB of the tier below memory (0: recompute)")),
     "cache_ratio": (("--cache-ratio",), dict(type=float, help="ceiling of the pool's share in compressed kinds")),
-    "cache_kinds": (("--cache-kinds",), dict(type=_kinds, nargs="+", help="compressed kinds offered "
+    "cache_kinds": (("--cache-kinds",), dict(action=_Kinds, nargs="+", help="compressed kinds offered "
                                              "(space- or comma-separated)")),
     "policy": (("--policy",), dict(help="scheduling policy")),
 }
@@ -59,11 +62,12 @@ COMMON = ("dtype", "num_threads", "num_pages", "max_model_len", "max_num_batched
 
 # The settings every comparison with the vLLM peer shares (the peer's own flags follow from them:
 # ``servers.vllm_command``), and the serving benchmarks that compare policies on the same budget.
+ONE_THREAD = Default(1, "one compute thread: the machine's cores are shared, one thread is steadier")
 PEER_MATCHED = dict(
     num_pages=Default(378, "6,048 KV tokens: the bytes of the vLLM peer's 189 blocks of 32 "
                            "(shared/tools/vllm-peer), so that memory binds"),
     max_num_batched_tokens=Default(512, "the vLLM peer comparison's step budget"),
-    num_threads=Default(1, "one compute thread per engine: the machine's cores are shared"),
+    num_threads=ONE_THREAD,
     max_model_len=Default(2048, "the random checkpoints' context"),
 )
 PEER_DTYPE = Default("float32", "the vLLM peer is given the same dtype; fp32 on a CPU without native bf16",
@@ -110,8 +114,8 @@ def engine_kwargs(args: argparse.Namespace, **changes) -> dict:
         value = getattr(args, name, None)
         if value is None:
             continue
-        if name == "cache_kinds":  # each flag value may hold several, comma-separated
-            value = tuple(k for v in value for k in (v if isinstance(v, list) else [v]))
+        if name == "cache_kinds":
+            value = tuple(value)
         out[name] = value
     out.update(changes)
     return out

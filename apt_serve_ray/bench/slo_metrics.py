@@ -162,6 +162,20 @@ def effective_throughput(points: list[tuple[float, float]], target: float) -> fl
     return prev_rate
 
 
+def mean_by_rate(runs: list[dict], value) -> list[tuple[float, float]]:
+    """``[(rate, mean of value(run))]`` by rate, over runs (dicts with a ``rate``) at the same rate:
+    repeats or seeds of a sweep."""
+    by_rate: dict[float, list[float]] = {}
+    for run in runs:
+        by_rate.setdefault(run["rate"], []).append(value(run))
+    return [(rate, float(np.mean(v))) for rate, v in sorted(by_rate.items())]
+
+
+def effective_at(points: list[tuple[float, float]], targets: tuple[int, ...] = (90, 60)) -> dict[str, float]:
+    """``{"90": ..., "60": ...}``: effective throughput at each target attainment (percent)."""
+    return {str(t): effective_throughput(points, t / 100) for t in targets}
+
+
 def format_ratio(a: float, b: float) -> str:
     """``a / b`` as "1.23x" for tables of effective throughput ("n/a" where ``b`` is 0)."""
     if b > 0:

@@ -168,3 +168,27 @@ def test_a_server_is_stopped_with_its_whole_process_group(tmp_path):
         time.sleep(0.1)
     else:
         raise AssertionError(f"processes of group {group} outlived stop_server")
+
+
+# Plots -------------------------------------------------------------------------------------------
+def test_the_benchmarks_plots_render(tmp_path):
+    from apt_serve_ray.bench import plots
+    from apt_serve_ray.bench.workloads import OnOff, ServiceClass, make_shaped_trace
+
+    pts = {"apt": [(1.0, 0.95), (2.0, 0.5)], "fcfs": [(1.0, 0.9), (2.0, 0.2)]}
+    shape = OnOff(1.0, 4.0, 10.0)
+    trace = make_shaped_trace("humaneval", 30, shape, seed=0)
+    requests = [{"arrival_s": r.arrival_s, "passed": i % 3 != 0} for i, r in enumerate(trace)]
+    run = {"forecasts": [{"t": float(t), "rate": 2.0, "low": 1.0, "high": 3.0} for t in range(8)],
+           "decisions": [{"t": 3.0, "replica": None, "actions": ["raise_hidden_target"]}],
+           "requests": requests, "attainment": 0.66}
+    classes = [ServiceClass("interactive", 0.3, 1000, 100, 0), ServiceClass("batch", 0.7, 30000, 1000, 10)]
+    waits = {"apt": {"1.0": {"max_wait_time_s": 60.0, "classes": {c.name: {"max_pending_s": 2.0} for c in classes}}}}
+    paths = [plots.plot_attainment(pts, tmp_path / "a.png"),
+             plots.plot_attainment_panels({"all": pts, "chat": pts}, tmp_path / "p.png"),
+             plots.plot_forecast(run, trace, shape, 5.0, tmp_path / "f.png"),
+             plots.plot_phases({"runs": {"predictive": {"on/off": run}}}, shape, tmp_path / "ph.png"),
+             plots.plot_longest_waits(waits, classes, tmp_path / "w.png")]
+    assert all(p.stat().st_size > 1000 and p.read_bytes()[:4] == b"\x89PNG" for p in paths)
+    edges, share, count = plots.attainment_by_phase(requests, shape)
+    assert count.sum() == len(requests) and np.nanmax(share) <= 1.0 and len(edges) == len(share) + 1
