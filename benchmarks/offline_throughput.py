@@ -27,7 +27,6 @@ import argparse
 import cProfile
 import functools
 import gc
-import json
 import os
 import pstats
 import statistics
@@ -38,10 +37,9 @@ from pathlib import Path
 import torch
 
 from apt_serve_ray import LLM, SamplingParams
-from apt_serve_ray.cpu_info import cpu_name, has_native_bf16
-from apt_serve_ray.checkpoints import make_random_checkpoint
-
-_DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "apt-serve-ray"
+from apt_serve_ray.bench.engine_args import Default, add_cache_dir, add_engine_args, random_checkpoint
+from apt_serve_ray.bench.report import stamp, write_json
+from apt_serve_ray.bench.steps import group_ops, op_table
 
 
 # Workload ----------------------------------------------------------------------------------------
@@ -243,37 +241,10 @@ def torch_profile_decode(llm, prompts, num_steps: int) -> list[tuple[str, float,
         engine.step()
     for _ in range(2):
         engine.step()
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(num_steps):
-            engine.step()
+    rows = op_table(engine.step, num_steps)
     for rid in list(engine.requests):
         engine.abort_request(rid)
-    rows = [(e.key, e.self_cpu_time_total / 1e3 / num_steps, e.count // num_steps) for e in prof.key_averages()]
-    rows.sort(key=lambda r: -r[1])
     return rows
-
-
-_OP_GROUPS = (  # first match wins
-    ("matmul (linear layers, lm-head)", ("addmm", "aten::mm", "aten::linear", "mkldnn::_linear_pointwise")),
-    ("attention kernels (C++ / sdpa / bmm / softmax)", ("apt_serve::", "scaled_dot_product", "bmm", "softmax",
-                                                        "matmul", "baddbmm")),
-    ("paged gather (index / index_select)", ("aten::index", "index_select", "gather")),
-    ("cache write (index_put)", ("index_put",)),
-    ("copies / layout (copy_, contiguous, cat)",
-     ("copy_", "contiguous", "aten::cat", "aten::stack", "clone", "aten::to")),
-    ("norms + elementwise", ("layer_norm", "add", "mul", "clamp", "relu", "embedding", "masked_fill", "where", "div")),
-    ("sampling (argmax / multinomial)", ("argmax", "multinomial", "exponential", "topk", "sort")),
-)
-
-
-def group_ops(rows: list[tuple[str, float, int]]) -> dict[str, float]:
-    groups: dict[str, float] = {}
-    for key, ms, _calls in rows:
-        label = next((g for g, keys in _OP_GROUPS if any(k in key for k in keys)), "other ops")
-        groups[label] = groups.get(label, 0.0) + ms
-    return dict(sorted(groups.items(), key=lambda kv: -kv[1]))
 
 
 # Report ------------------------------------------------------------------------------------------
@@ -307,19 +278,18 @@ def print_table(results: list[dict]) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cache-dir", type=Path, default=_DEFAULT_CACHE, help="where the random checkpoint is kept")
+    add_cache_dir(ap)
     ap.add_argument("--shape", default="opt-125m", help="random-weight checkpoint shape (apt_serve_ray.checkpoints.SHAPES)")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                    help="the engine's dtype (float32 on a CPU without native bf16)")
-    ap.add_argument("--num-pages", type=int, default=None,
-                    help="pages of 16 tokens (default: enough that nobody is preempted; 378 = the vLLM comparison's 6,048 tokens)")
+    add_engine_args(ap, "dtype", "num_pages", "max_num_seqs", "max_num_batched_tokens",
+                    dtype=Default("bfloat16", "transformers runs the same dtype; fp32 on a CPU without native bf16",
+                                  ("bfloat16", "float32")),
+                    num_pages=Default(None, "enough that nobody is preempted: this measures throughput "
+                                            "(378 = the vLLM comparison's 6,048 tokens)"))
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch threads; each value is measured")
     ap.add_argument("--hf-batch-size", type=int, default=16)
-    ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--quick", action="store_true", help="32 requests (half the work)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-hf-prefill", action="store_true", help="skip the HF prefill-only run (speed-up ceiling)")
@@ -331,7 +301,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.num_requests = min(args.num_requests, 32)
 
-    path = make_random_checkpoint(args.cache_dir / f"{args.shape}-bf16", args.shape, dtype="bfloat16")
+    path = random_checkpoint(args.shape, args.cache_dir)
     # Enough pages that nobody is ever preempted: this measures throughput, not memory pressure.
     block = 16
     num_pages = args.num_pages or args.num_requests * -(-(args.prompt_len + args.output_len) // block) + 16
@@ -411,11 +381,11 @@ def main(argv=None) -> int:
                          "hf_batch_size": args.hf_batch_size, "max_num_seqs": args.max_num_seqs,
                          "max_num_batched_tokens": args.max_num_batched_tokens},
             "by_threads": results, "profile": profile,
-            "torch": torch.__version__, "cpu_count": os.cpu_count(), "cpu": cpu_name(),
-            "native_bf16": has_native_bf16(),
+            "torch": torch.__version__, "cpu_count": os.cpu_count(),
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(doc, indent=2, default=float))
+        header = stamp(threads=args.threads, dtype=args.dtype, model=f"{args.shape} (random weights)", simulated=False)
+        doc.update(cpu=header["machine"]["cpu"], native_bf16=header["machine"]["native_bf16"])
+        write_json(args.json, doc, header, indent=2)
         print(f"\nwrote {args.json}")
     return 0
 

@@ -74,7 +74,3 @@ def write_json(path, doc: dict, header: dict, indent: int | None = 1) -> Path:
     path.write_text(json.dumps(finite({**header, **doc}), indent=indent, separators=compact) + "\n")
     return path
 
-
-def machine_header(**run) -> dict:  # the older name, until every benchmark stamps
-    return {k: v for k, v in stamp(**{"threads": None, "dtype": None, "model": None, "simulated": False, **run}).items()
-            if k != "date"}

@@ -62,6 +62,19 @@ from pathlib import Path
 import numpy as np
 
 _STREAM_LENGTHS, _STREAM_GAPS, _STREAM_TOKENS, _STREAM_CLASSES = range(4)
+# The structured-output requests' schema (grammar_mask.py, sampling_cost.py): nested, bounded, enums.
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "colours": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16}},
+                    "required": ["city"], "additionalProperties": False},
+    },
+    "required": ["name", "age", "colours", "address"],
+    "additionalProperties": False,
+}
 _MIN_TOKEN_ID_MARGIN = 10
 
 
