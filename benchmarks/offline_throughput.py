@@ -25,11 +25,9 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import functools
 import gc
 import os
 import pstats
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -39,7 +37,7 @@ import torch
 from apt_serve_ray import LLM, SamplingParams
 from apt_serve_ray.bench.engine_args import Default, add_cache_dir, add_engine_args, random_checkpoint
 from apt_serve_ray.bench.report import stamp, write_json
-from apt_serve_ray.bench.steps import group_ops, op_table
+from apt_serve_ray.bench.steps import PARTS, StepTimers, breakdown, group_ops, op_table
 
 
 # Workload ----------------------------------------------------------------------------------------
@@ -50,46 +48,13 @@ def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]
 
 
 # Our engine --------------------------------------------------------------------------------------
-class _Timers:
-    """Wall time of chosen callables, accumulated per engine step."""
-
-    def __init__(self) -> None:
-        self.step: dict[str, float] = {}
-
-    def wrap(self, obj, name: str, key: str) -> None:
-        fn = getattr(obj, name, None)
-        if fn is None:  # the engine moved on; that part then counts as "other"
-            print(f"note: {type(obj).__name__}.{name} not found; not timed separately", file=sys.stderr)
-            return
-
-        @functools.wraps(fn)
-        def timed(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.step[key] = self.step.get(key, 0.0) + time.perf_counter() - t
-
-        setattr(obj, name, timed)  # instance attribute shadows the method; the class is untouched
-
-    def take(self) -> dict[str, float]:
-        out, self.step = self.step, {}
-        return out
-
-
-def build_engine(path: str, args, num_pages: int) -> tuple[LLM, _Timers]:
+def build_engine(path: str, args, num_pages: int) -> tuple[LLM, StepTimers]:
     llm = LLM(path, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, num_pages=num_pages, cache_ratio=0.0)
-    runner = llm.llm_engine.runner
-    timers = _Timers()
-    timers.wrap(runner, "_prepare", "prepare_s")
-    timers.wrap(runner.model, "forward", "forward_s")
-    timers.wrap(runner.model, "compute_logits", "logits_s")
-    timers.wrap(runner.sampler, "sample", "sample_s")
-    return llm, timers
+    return llm, StepTimers.on(llm.llm_engine.runner)
 
 
-def run_engine(llm: LLM, timers: _Timers, prompts, output_len: int) -> dict:
+def run_engine(llm: LLM, timers: StepTimers, prompts, output_len: int) -> dict:
     engine = llm.llm_engine
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     gc.collect()
@@ -115,45 +80,6 @@ def run_engine(llm: LLM, timers: _Timers, prompts, output_len: int) -> dict:
         raise RuntimeError(f"engine produced {num_out} output tokens, expected {len(prompts) * output_len}")
     return {"elapsed_s": elapsed, "cpu_s": cpu, "output_tokens": num_out, "tok_s": num_out / elapsed,
             "tok_per_cpu_s": num_out / cpu, "breakdown": breakdown(steps), "num_steps": len(steps)}
-
-
-_PARTS = ("schedule_s", "prepare_s", "forward_s", "logits_s", "sample_s", "execute_other_s", "postprocess_s")
-
-
-def _split(s: dict) -> dict:
-    model = s.get("forward_s", 0.0) + s.get("logits_s", 0.0)
-    parts = {k: s.get(k, 0.0) for k in ("schedule_s", "prepare_s", "forward_s", "logits_s", "sample_s")}
-    parts["execute_other_s"] = s["execute_s"] - model - parts["prepare_s"] - parts["sample_s"]
-    # total_s runs from the top of step() to the end of postprocessing; what is outside
-    # schedule + execute is watermark/pool upkeep and turning sampled tokens into outputs.
-    parts["postprocess_s"] = s["total_s"] - s["schedule_s"] - s["execute_s"]
-    parts["total_s"] = s["total_s"]
-    return parts
-
-
-def breakdown(steps: list[dict]) -> dict:
-    """Summed seconds per part for all, prefill-carrying and decode-only steps, plus shares."""
-    groups = {"all": steps,
-              "prefill": [s for s in steps if s["num_tokens"] > s["num_seqs"]],
-              "decode": [s for s in steps if s["num_tokens"] == s["num_seqs"]]}
-    out = {}
-    for name, group in groups.items():
-        if not group:
-            continue
-        parts = [_split(s) for s in group]
-        sums = {k: sum(p[k] for p in parts) for k in (*_PARTS, "total_s")}
-        total = sums["total_s"]
-        model = sums["forward_s"] + sums["logits_s"]
-        out[name] = {
-            "num_steps": len(group),
-            "seconds": sums,
-            "share": {k: sums[k] / total for k in _PARTS},
-            "overhead_share": (total - model) / total,
-            "median_step_ms": 1e3 * statistics.median(s["total_s"] for s in group),
-            "median_overhead_ms": 1e3 * statistics.median(p["total_s"] - p["forward_s"] - p["logits_s"] for p in parts),
-            "tokens": sum(s["num_tokens"] for s in group),
-        }
-    return out
 
 
 # transformers ------------------------------------------------------------------------------------
@@ -268,12 +194,12 @@ def print_table(results: list[dict]) -> None:
           "\noverhead = share of step time outside model.forward + lm-head (ovh decode: decode-only steps)")
     print()
     print("engine step time by part (share of summed step time)")
-    print(f"{'threads':>7} {'steps':>9} " + " ".join(f"{k[:-2]:>13}" for k in _PARTS))
+    print(f"{'threads':>7} {'steps':>9} " + " ".join(f"{k[:-2]:>13}" for k in PARTS))
     for r in results:
         for group in ("all", "prefill", "decode"):
             g = r["engine"]["breakdown"].get(group)
             if g:
-                print(f"{r['threads']:>7} {group:>9} " + " ".join(f"{g['share'][k]:>13.1%}" for k in _PARTS))
+                print(f"{r['threads']:>7} {group:>9} " + " ".join(f"{g['share'][k]:>13.1%}" for k in PARTS))
 
 
 def main(argv=None) -> int:

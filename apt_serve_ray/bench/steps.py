@@ -4,6 +4,9 @@ any cache kind, prefills and mixed steps of any shape, on pages filled with rand
 
 from __future__ import annotations
 
+import functools
+import statistics
+import sys
 import time
 
 import torch
@@ -115,3 +118,81 @@ def group_ops(rows: list[tuple[str, float, int]]) -> dict[str, float]:
         label = next((g for g, keys in OP_GROUPS if any(k in key for k in keys)), "other ops")
         groups[label] = groups.get(label, 0.0) + ms
     return dict(sorted(groups.items(), key=lambda kv: -kv[1]))
+
+
+class StepTimers:
+    """Wall time of chosen callables, accumulated per engine step (``take()`` after each step): ``on``
+    a runner, its input preparation, forward, lm-head and sampler, so that a step splits into
+    ``PARTS`` (``breakdown``). Nothing in the engine is edited: instance attributes shadow the methods."""
+
+    def __init__(self) -> None:
+        self.step: dict[str, float] = {}
+
+    def wrap(self, obj, name: str, key: str) -> None:
+        fn = getattr(obj, name, None)
+        if fn is None:  # the engine moved on; that part then counts as "other"
+            print(f"note: {type(obj).__name__}.{name} not found; not timed separately", file=sys.stderr)
+            return
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.step[key] = self.step.get(key, 0.0) + time.perf_counter() - t
+
+        setattr(obj, name, timed)  # instance attribute shadows the method; the class is untouched
+
+    @classmethod
+    def on(cls, runner) -> "StepTimers":
+        timers = cls()
+        timers.wrap(runner, "_prepare", "prepare_s")
+        timers.wrap(runner.model, "forward", "forward_s")
+        timers.wrap(runner.model, "compute_logits", "logits_s")
+        timers.wrap(runner.sampler, "sample", "sample_s")
+        return timers
+
+    def take(self) -> dict[str, float]:
+        out, self.step = self.step, {}
+        return out
+
+
+PARTS = ("schedule_s", "prepare_s", "forward_s", "logits_s", "sample_s", "execute_other_s", "postprocess_s")
+
+
+def split_step(s: dict) -> dict:
+    """One step's record (the engine's ``last_step`` times and ``StepTimers.take()``) in ``PARTS``."""
+    model = s.get("forward_s", 0.0) + s.get("logits_s", 0.0)
+    parts = {k: s.get(k, 0.0) for k in ("schedule_s", "prepare_s", "forward_s", "logits_s", "sample_s")}
+    parts["execute_other_s"] = s["execute_s"] - model - parts["prepare_s"] - parts["sample_s"]
+    # total_s runs from the top of step() to the end of postprocessing; what is outside
+    # schedule + execute is watermark/pool upkeep and turning sampled tokens into outputs.
+    parts["postprocess_s"] = s["total_s"] - s["schedule_s"] - s["execute_s"]
+    parts["total_s"] = s["total_s"]
+    return parts
+
+
+def breakdown(steps: list[dict]) -> dict:
+    """Summed seconds per part for all, prefill-carrying and decode-only steps, plus shares."""
+    groups = {"all": steps,
+              "prefill": [s for s in steps if s["num_tokens"] > s["num_seqs"]],
+              "decode": [s for s in steps if s["num_tokens"] == s["num_seqs"]]}
+    out = {}
+    for name, group in groups.items():
+        if not group:
+            continue
+        parts = [split_step(s) for s in group]
+        sums = {k: sum(p[k] for p in parts) for k in (*PARTS, "total_s")}
+        total = sums["total_s"]
+        model = sums["forward_s"] + sums["logits_s"]
+        out[name] = {
+            "num_steps": len(group),
+            "seconds": sums,
+            "share": {k: sums[k] / total for k in PARTS},
+            "overhead_share": (total - model) / total,
+            "median_step_ms": 1e3 * statistics.median(s["total_s"] for s in group),
+            "median_overhead_ms": 1e3 * statistics.median(p["total_s"] - p["forward_s"] - p["logits_s"] for p in parts),
+            "tokens": sum(s["num_tokens"] for s in group),
+        }
+    return out
