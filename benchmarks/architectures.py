@@ -20,19 +20,14 @@ reference path rather than the C++ kernels (``AttentionBackend._forward_masked``
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from decode_step import _DEFAULT_CACHE, build, decode_batch, time_step  # noqa: E402
-
-from apt_serve_ray.bench.report import machine_header  # noqa: E402
-from apt_serve_ray.models.checkpoints import make_random_checkpoint  # noqa: E402
-from apt_serve_ray.request import CacheKind  # noqa: E402
+from apt_serve_ray.bench.engine_args import ONE_THREAD, Default, add_cache_dir, add_engine_args, random_checkpoint
+from apt_serve_ray.bench.report import stamp, write_json
+from apt_serve_ray.bench.steps import build, decode_batch, time_step
+from apt_serve_ray.request import CacheKind
 
 ARCHITECTURES = ["llama", "opt", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gemma3_text"]
 
@@ -42,30 +37,33 @@ def main(argv=None) -> int:
     p.add_argument("--architectures", nargs="+", default=ARCHITECTURES, choices=ARCHITECTURES)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--context", type=int, default=400)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--threads", type=int, default=1)
+    add_engine_args(p, "dtype", "num_threads", num_threads=ONE_THREAD,
+                    dtype=Default("float32", "the architectures side by side in one dtype every CPU runs fast",
+                                  ("float32", "bfloat16")))
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--cache-dir", type=Path, default=_DEFAULT_CACHE)
+    add_cache_dir(p)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.num_threads)
     num_pages = max(args.batches) * (-(-args.context // 16)) + 8
     engines = {}
     for arch in args.architectures:
         shape = "opt-125m" if arch == "opt" else f"{arch}-125m"
-        path = make_random_checkpoint(args.cache_dir / f"{shape}-{args.dtype}", shape, dtype=args.dtype)
+        path = random_checkpoint(shape, args.cache_dir, dtype=args.dtype)
         engines[arch] = build(path, "fast", True, args.dtype, num_pages, "cpu")
-    header = machine_header()
-    print(header, f"dtype {args.dtype}, {args.threads} thread(s), context {args.context}, KV pages, fast backend")
+    header = stamp(threads=args.num_threads, dtype=args.dtype, model="<arch>-125m shapes, random weights",
+                   simulated=False)
+    print(header["machine"], f"dtype {args.dtype}, {args.num_threads} thread(s), context {args.context}, KV pages, "
+          "fast backend")
     rows = []
     for batch in args.batches:
         outs = {arch: decode_batch(llm, batch, args.context, CacheKind.KV) for arch, llm in engines.items()}
         best = {arch: float("inf") for arch in engines}
         for arch, llm in engines.items():  # warm-up
-            time_step(llm, outs[arch])
+            time_step(llm.llm_engine.runner, outs[arch])
         for _ in range(args.repeats):
             for arch, llm in engines.items():
-                best[arch] = min(best[arch], time_step(llm, outs[arch]))
+                best[arch] = min(best[arch], time_step(llm.llm_engine.runner, outs[arch]))
         base = best.get("llama")
         for arch in engines:
             rows.append({"architecture": arch, "batch": batch, "step_ms": best[arch] * 1e3,
@@ -73,9 +71,7 @@ def main(argv=None) -> int:
             ratio = f"{best[arch] / base:5.2f}x" if base else "-"
             print(f"batch {batch:3d}  {arch:12s} {best[arch] * 1e3:8.2f} ms  {ratio} Llama's")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"machine": header, "args": {k: str(v) for k, v in vars(args).items()},
-                                         "rows": rows}, indent=1))
+        write_json(args.json, {"args": vars(args), "rows": rows}, header)
         print(f"wrote {args.json}")
     return 0
 

@@ -32,23 +32,17 @@ by operator group (linear layers, attention, elementwise, ...). Outputs: a table
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from apt_serve_ray import LLM
-from apt_serve_ray.worker.calibration import _fake_request
-from apt_serve_ray.models.checkpoints import make_random_checkpoint
-from apt_serve_ray.worker.cpu_info import cpu_name
-from apt_serve_ray.worker.cpu_info import has_native_bf16 as cpu_has_native_bf16
+from apt_serve_ray.bench.engine_args import add_cache_dir, random_checkpoint
+from apt_serve_ray.bench.report import stamp, write_json
+from apt_serve_ray.bench.steps import build, decode_batch, group_ops, op_table, time_step
 from apt_serve_ray.request import CacheKind
-from apt_serve_ray.scheduler.output import ScheduledChunk, SchedulerOutput
 
-_DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "apt-serve-ray"
 # name: (attention_backend, kind, cache_proj_optimize); "fast" is the device's own backend (cpu / triton).
 CONFIGS = {
     "torch kv": ("torch", CacheKind.KV, False),
@@ -64,82 +58,6 @@ CONFIGS = {
 # int8 kind -> its base kind: the ratio printed per batch shape (the int8 kernels' cost over the exact kind's).
 INT8_BASES = {"fast kv-int8": "fast kv", "fast hidden-int8 fused": "fast hidden fused",
               "torch kv-int8": "torch kv", "torch hidden-int8": "torch hidden"}
-
-
-def build(path: str, backend: str, fused: bool, dtype: str, num_pages: int, device: str) -> LLM:
-    if backend == "fast":
-        backend = "triton" if device == "cuda" else "cpu"
-    return LLM(path, dtype=dtype, num_pages=num_pages, attention_backend=backend, cache_proj_optimize=fused,
-               device=device, force_hidden=False, enable_watermarks=False, calibrate_rho=False, max_model_len=2048,
-               cache_kinds=("hidden", "kv-int8", "hidden-int8"))
-
-
-def decode_batch(llm: LLM, batch: int, context: int, kind: CacheKind) -> SchedulerOutput:
-    runner = llm.llm_engine.runner
-    layout = runner.layout
-    vocab = runner.model.shape.vocab_size
-    need = layout.num_pages_for(context, kind)
-    if need * batch > runner.num_pages:
-        raise ValueError(f"{batch} x {context} tokens of {kind.value} do not fit {runner.num_pages} pages")
-    requests = [_fake_request(i, context, 1, vocab, list(range(i * need, (i + 1) * need)), kind) for i in range(batch)]
-    fill_pages(runner.storage, kind, need * batch)
-    return SchedulerOutput([ScheduledChunk(r, 1) for r in requests])
-
-
-def fill_pages(storage, kind: CacheKind, num_pages: int) -> None:
-    """Random contents in the first ``num_pages`` pages of every layer, in ``kind``'s layout. Pages never
-    written read as the kernel's shared zero page: every byte an L1 hit, which hides what a kind's
-    bytes cost (and int8 pages need finite scales)."""
-    g = torch.Generator().manual_seed(0)
-    for layer in range(len(storage.layers)):
-        if kind.is_int8:
-            data, scales = ((storage.kv_int8, storage.kv_int8_scale) if kind is CacheKind.KV_INT8
-                            else (storage.hidden_int8, storage.hidden_int8_scale))
-            pages = data[layer][:num_pages]
-            pages.copy_(torch.randint(-127, 128, pages.shape, generator=g, dtype=torch.int8))
-            scales[layer][:num_pages].uniform_(0.005, 0.02, generator=g)
-        else:
-            storage.layers[layer][:num_pages].normal_(generator=g)
-
-
-def time_step(llm: LLM, out: SchedulerOutput, clock=time.perf_counter) -> float:
-    runner = llm.llm_engine.runner
-    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
-    sync()
-    t = clock()
-    runner.execute(out)
-    sync()
-    return clock() - t
-
-
-def profile_step(llm: LLM, out: SchedulerOutput, steps: int = 5) -> dict[str, float]:
-    from torch.profiler import ProfilerActivity, profile
-
-    runner = llm.llm_engine.runner
-    runner.execute(out)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            runner.execute(out)
-    groups: dict[str, float] = {}
-    for e in prof.key_averages():  # self time: every op counted once, in the op that spent it
-        groups[_group(e.key)] = groups.get(_group(e.key), 0.0) + e.self_cpu_time_total / 1e3 / steps
-    return dict(sorted(groups.items(), key=lambda kv: -kv[1]))
-
-
-def _group(name: str) -> str:
-    if "linear" in name or "mkldnn" in name or name in ("aten::addmm", "aten::mm"):
-        return "linear layers"
-    if name.startswith("apt_cpu_attention") or "kv_decode" in name or "hidden_" in name or "scaled_dot" in name \
-            or name in ("aten::bmm", "aten::matmul", "aten::softmax", "aten::_softmax", "aten::index_select"):
-        return "attention"
-    if name in ("aten::layer_norm", "aten::native_layer_norm", "aten::relu_", "aten::relu", "aten::add", "aten::add_",
-                "aten::mul", "aten::silu", "aten::embedding", "aten::rsqrt", "aten::pow", "aten::mean"):
-        return "norms / activations / residual"
-    if name in ("aten::index_copy_", "aten::stack", "aten::index_put_", "aten::index", "aten::cat"):
-        return "cache writes / row scatter"
-    if name in ("aten::argmax", "aten::log_softmax", "aten::topk", "aten::sort", "aten::_log_softmax"):
-        return "sampling"
-    return "other: " + name
 
 
 def main(argv=None) -> int:
@@ -160,7 +78,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--shape", default="opt-125m", help="checkpoint shape (apt_serve_ray.models.checkpoints.SHAPES), "
                    "e.g. opt-13b-2l: two layers of OPT-13B (hidden 5120, 40 heads)")
-    p.add_argument("--cache-dir", type=Path, default=_DEFAULT_CACHE)
+    add_cache_dir(p)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     if args.quick:
@@ -168,11 +86,13 @@ def main(argv=None) -> int:
     if args.clock == "thread" and (args.threads != [1] or args.device != "cpu"):
         p.error("--clock thread times one CPU thread: use it with --threads 1 on the CPU")
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
-    path = make_random_checkpoint(args.cache_dir / f"{args.shape}-bf16", args.shape, dtype="bfloat16")
+    path = random_checkpoint(args.shape, args.cache_dir)
     num_pages = max(args.batches) * -(-max(args.contexts) // 16) + 8  # every request on its own KV pages
     rows, profiles = [], {}
+    header = stamp(threads=args.threads, dtype=args.dtypes, model=f"{args.shape} shape, random weights",
+                   simulated=False, torch=torch.__version__)
     device = torch.cuda.get_device_name() if args.device == "cuda" else \
-        f"{cpu_name()} (native bf16: {cpu_has_native_bf16()})"
+        f"{header['machine']['cpu']} (native bf16: {header['machine']['native_bf16']})"
     print(f"device: {device}; torch {torch.__version__}; shape {args.shape}")
     for threads in args.threads:
         torch.set_num_threads(threads)
@@ -184,10 +104,10 @@ def main(argv=None) -> int:
                     outs = {n: decode_batch(engines[n], batch, context, CONFIGS[n][1]) for n in args.configs}
                     best = {n: float("inf") for n in args.configs}
                     for n in args.configs:
-                        time_step(engines[n], outs[n])  # warm-up
+                        time_step(engines[n].llm_engine.runner, outs[n])  # warm-up
                     for _ in range(args.repeats):
                         for n in args.configs:
-                            best[n] = min(best[n], time_step(engines[n], outs[n], clock))
+                            best[n] = min(best[n], time_step(engines[n].llm_engine.runner, outs[n], clock))
                     for n in args.configs:
                         rows.append(dict(threads=threads, dtype=dtype, batch=batch, context=context, config=n,
                                          step_ms=best[n] * 1e3))
@@ -201,16 +121,16 @@ def main(argv=None) -> int:
                 out = decode_batch(engines[args.profile_config], args.profile_batch, args.profile_context,
                                    CONFIGS[args.profile_config][1])
                 key = f"{args.profile_config} threads={threads} {dtype} B={args.profile_batch} ctx={args.profile_context}"
-                profiles[key] = profile_step(engines[args.profile_config], out)
+                runner = engines[args.profile_config].llm_engine.runner
+                runner.execute(out)
+                profiles[key] = group_ops(op_table(lambda: runner.execute(out), 5))
                 print(f"profile {key}: " + ", ".join(f"{g} {ms:.1f} ms" for g, ms in profiles[key].items()))
             del engines
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(dict(
-            device=device, cpu=cpu_name(), native_bf16=cpu_has_native_bf16(), torch=torch.__version__,
-            argv=sys.argv[1:], clock=args.clock, model=f"{args.shape} shape, random weights", rows=rows,
-            profiles=profiles,
-        ), indent=1))
+        write_json(args.json, dict(device=device, cpu=header["machine"]["cpu"],
+                                   native_bf16=header["machine"]["native_bf16"], torch=torch.__version__,
+                                   argv=sys.argv[1:], clock=args.clock, model=header["run"]["model"], rows=rows,
+                                   profiles=profiles), header)
     return 0
 
 

@@ -16,13 +16,13 @@ is sent, so a tiny random checkpoint serves (``--shape``).
 from __future__ import annotations
 
 import argparse
-import json
 import pickle
 import statistics
 import time
 from pathlib import Path
 
-from apt_serve_ray.bench.report import machine_header
+from apt_serve_ray.bench.engine_args import add_cache_dir, random_checkpoint
+from apt_serve_ray.bench.report import stamp, write_json
 
 
 def measure(engine, kind, requests: int, context: int, decode_steps: int, logprobs: int | None) -> dict:
@@ -56,14 +56,12 @@ def main(argv=None) -> None:
     p.add_argument("--context", type=int, default=2000, help="prompt + generated tokens of each request")
     p.add_argument("--decode-steps", type=int, default=32)
     p.add_argument("--logprobs", type=int, default=None, help="top logprobs per token (None: off)")
-    p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "apt-serve-ray")
+    add_cache_dir(p)
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args(argv)
 
     from apt_serve_ray import EngineConfig, LLMEngine, RequestOutputKind
-    from apt_serve_ray.models.checkpoints import make_random_checkpoint
-
-    ckpt = make_random_checkpoint(a.cache_dir / a.shape, a.shape)
+    ckpt = random_checkpoint(a.shape, a.cache_dir, dtype="float32")
     pages = a.requests * (-(-a.context // 16) + 1) + 16
     engine = LLMEngine(EngineConfig(model=ckpt, dtype="float32", num_pages=pages, max_num_seqs=a.requests,
                                     max_model_len=a.context + 16, max_num_batched_tokens=4096,
@@ -81,10 +79,10 @@ def main(argv=None) -> None:
     print(f"cumulative / delta: {ratio:.1f}x the bytes, "
           f"{before['pickle_ms_per_step_mean'] / after['pickle_ms_per_step_mean']:.1f}x the pickling time")
     if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        out = {**machine_header(shape=a.shape, requests=a.requests, context=a.context, decode_steps=a.decode_steps,
-                                logprobs=a.logprobs, simulated=False), "results": rows, "bytes_ratio": ratio}
-        a.json.write_text(json.dumps(out, indent=1))
+        header = stamp(threads=None, dtype="float32", model=f"{a.shape} (random weights)", simulated=False,
+                       shape=a.shape, requests=a.requests, context=a.context, decode_steps=a.decode_steps,
+                       logprobs=a.logprobs)
+        write_json(a.json, {"results": rows, "bytes_ratio": ratio}, header)
 
 
 if __name__ == "__main__":

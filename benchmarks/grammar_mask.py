@@ -12,27 +12,15 @@ and 32 (one matcher per row, filled one after the other on one thread). Prints a
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
 
-from apt_serve_ray.bench.report import machine_header
+from apt_serve_ray.bench.engine_args import ONE_THREAD, add_engine_args
+from apt_serve_ray.bench.report import stamp, write_json
+from apt_serve_ray.bench.workloads import JSON_SCHEMA as SCHEMA
 from apt_serve_ray.models.loader import DEFAULT_MODEL, load_tokenizer, resolve_model
 from apt_serve_ray.sampling.structured import GRAMMAR_BACKENDS, StructuredOutput, StructuredOutputs
-
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 20},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "colours": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
-        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16}},
-                    "required": ["city"], "additionalProperties": False},
-    },
-    "required": ["name", "age", "colours", "address"],
-    "additionalProperties": False,
-}
 
 
 def run(backend: str, tokenizer, vocab: int, spec: StructuredOutput, batch: int, max_tokens: int,
@@ -68,10 +56,10 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", nargs="+", type=int, default=[1, 32])
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--threads", type=int, default=1)
+    add_engine_args(p, "num_threads", num_threads=ONE_THREAD)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.num_threads)
     tokenizer = load_tokenizer(resolve_model(DEFAULT_MODEL))
     vocab = len(tokenizer)
     rows = []
@@ -85,12 +73,8 @@ def main(argv=None) -> None:
         print(f"{r['library']:<11} {r['grammar']:<12} {r['batch']:>5} {r['compile_ms']:>10.1f} "
               f"{r['ms_per_step']:>8.3f} {r['us_per_row_token']:>12.1f}")
     if args.json:
-        import pathlib
-
-        pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({**machine_header(threads=args.threads, dtype="n/a", model=DEFAULT_MODEL), "vocab": vocab,
-                       "schema": SCHEMA, "rows": rows}, f, indent=1)
+        header = stamp(threads=args.num_threads, dtype="n/a", model=DEFAULT_MODEL, simulated=False)
+        write_json(args.json, {"vocab": vocab, "schema": SCHEMA, "rows": rows}, header)
         print(f"wrote {args.json}")
 
 

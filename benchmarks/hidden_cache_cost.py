@@ -33,7 +33,6 @@ KV page (block_size tokens) of K/V in all layers, the figure the adaptive schedu
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -44,12 +43,11 @@ import torch
 import torch.nn.functional as F
 
 from apt_serve_ray import LLM, SamplingParams
+from apt_serve_ray.bench.engine_args import ONE_THREAD, add_cache_dir, add_engine_args, random_checkpoint
+from apt_serve_ray.bench.report import stamp, write_json
 from apt_serve_ray.worker.calibration import calibrate_rho
-from apt_serve_ray.models.checkpoints import make_random_checkpoint
 from apt_serve_ray.request import CacheKind
 from apt_serve_ray.scheduler.policies.base import admit_waiting
-
-_DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "apt-serve-ray"
 BATCHES = (32, 8, 1)  # measured in this order; the largest must come first (it admits the requests)
 CONTEXTS = (128, 256, 512, 1024, 2048)
 
@@ -164,10 +162,10 @@ def run_context(llm, policy, length: int, num_steps: int, max_batch: int, seed: 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cache-dir", type=Path, default=_DEFAULT_CACHE, help="where the random checkpoint is kept")
+    add_cache_dir(ap)
     ap.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS))
     ap.add_argument("--steps", type=int, default=4, help="timed decode steps per point (minimum)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (the cores are shared: 1 is steadier)")
+    add_engine_args(ap, "num_threads", num_threads=ONE_THREAD)
     ap.add_argument("--quick", action="store_true", help="drop the largest context (2048)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None)
@@ -175,16 +173,16 @@ def main(argv=None) -> int:
     contexts = sorted(args.contexts)
     if args.quick and len(contexts) > 1:
         contexts = contexts[:-1]
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.num_threads)
     max_batch = max(BATCHES)
 
-    path = make_random_checkpoint(args.cache_dir / "opt-125m-bf16", "opt-125m", dtype="bfloat16")
+    path = random_checkpoint("opt-125m", args.cache_dir)
     block = 16
     # Upgrading holds both kinds at once: KV pages for every request plus its hidden pages.
     num_pages = int(max_batch * (-(-max(contexts) // block) + 2) * 1.5) + 64
     policy = BenchPolicy()
     llm = LLM(path, dtype="bfloat16", cache_ratio=1.0, num_pages=num_pages, max_num_seqs=max_batch,
-              max_num_batched_tokens=max(4096, max(contexts)), block_size=block, num_threads=args.threads)
+              max_num_batched_tokens=max(4096, max(contexts)), block_size=block, num_threads=args.num_threads)
     llm.set_scheduler(policy)
     engine = llm.llm_engine
     shape = engine.runner.model.shape
@@ -199,7 +197,7 @@ def main(argv=None) -> int:
           f"(r2 {rho.r2:.4f}, {time.perf_counter() - t:.2f} s)", flush=True)
     gf_cache: dict[int, float] = {}
     peak = gemm_gflops(4096, shape.hidden_size, torch.bfloat16, gf_cache)
-    print(f"bf16 K/V-projection GEMM at {args.threads} thread(s): {peak:.0f} GFLOP/s (4096 rows)", flush=True)
+    print(f"bf16 K/V-projection GEMM at {args.num_threads} thread(s): {peak:.0f} GFLOP/s (4096 rows)", flush=True)
 
     raw, rows = [], []
     for length in contexts:
@@ -244,7 +242,7 @@ def main(argv=None) -> int:
 
     if args.json is not None:
         doc = {
-            "model": "opt-125m-shape random weights", "dtype": "bfloat16", "threads": args.threads,
+            "model": "opt-125m-shape random weights", "dtype": "bfloat16", "threads": args.num_threads,
             "block_size": block, "hidden_size": shape.hidden_size, "num_layers": shape.num_layers,
             "flop_model": "extra FLOPs per hidden request per decode step = 4 * L * hidden^2 * num_layers",
             "flops_per_context_token": flops_per_token, "gemm_gflops_4096_rows": peak,
@@ -257,11 +255,12 @@ def main(argv=None) -> int:
             "rows": rows,
             "raw": [{**r, "hidden": {str(b): v for b, v in r["hidden"].items()},
                      "kv": {str(b): v for b, v in r["kv"].items()}} for r in raw],
-            "clock": "process CPU time (1 thread)" if args.threads == 1 else "wall",
+            "clock": "process CPU time (1 thread)" if args.num_threads == 1 else "wall",
             "torch": torch.__version__, "load_average": os.getloadavg()[0],
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(doc, indent=2))
+        header = stamp(threads=args.num_threads, dtype="bfloat16", model="opt-125m (random weights)",
+                       simulated=False)
+        write_json(args.json, doc, header, indent=2)
         print(f"wrote {args.json}")
     return 0
 

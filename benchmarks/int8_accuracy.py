@@ -34,19 +34,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import time
 from pathlib import Path
 
 import torch
 
 from apt_serve_ray import LLM, SamplingParams
-from apt_serve_ray.models.checkpoints import SHAPES, make_random_checkpoint
-from apt_serve_ray.worker.cpu_info import cpu_flags, cpu_name
+from apt_serve_ray.bench.engine_args import Default, add_cache_dir, add_engine_args, random_checkpoint
+from apt_serve_ray.bench.report import stamp, write_json as write_stamped
+from apt_serve_ray.models.checkpoints import SHAPES
 from apt_serve_ray.request import CacheKind
 from apt_serve_ray.scheduler.output import ScheduledChunk
-
-_DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "apt-serve-ray"
 # A Llama with OPT-125m's shape and multi-head attention (where hidden pages save memory); benchmark-only.
 SHAPES.setdefault("llama-mha-125m", ("llama", 768, 12, 12, 12, 3072))
 MODELS = {"smollm2": None, "opt-125m": "opt-125m", "llama-mha": "llama-mha-125m"}
@@ -148,7 +146,7 @@ def model_path(name: str, cache_dir: Path) -> str:
     shape = MODELS[name]
     if shape is None:
         return "smollm2-135m-instruct"
-    return make_random_checkpoint(cache_dir / f"{shape}-bf16", shape, dtype="bfloat16")
+    return random_checkpoint(shape, cache_dir)
 
 
 def run_model(name: str, args, prompts_text) -> dict:
@@ -158,7 +156,7 @@ def run_model(name: str, args, prompts_text) -> dict:
         t0 = time.perf_counter()
         llm = LLM(model_path(name, args.cache_dir), dtype=dtype, num_pages=args.num_pages, force_hidden=True,
                   cache_kinds=("hidden", "kv-int8", "hidden-int8"), max_num_batched_tokens=4096, max_num_seqs=64,
-                  num_threads=args.threads, attention_backend=args.backend, calibrate_rho=False)
+                  num_threads=args.num_threads, attention_backend=args.backend, calibrate_rho=False)
         engine = llm.llm_engine
         tok = llm.get_tokenizer()
         prompts = [tok.encode(p) for p in prompts_text]
@@ -224,8 +222,7 @@ def write_json(path: Path, header: dict, results: list[dict]) -> None:
     kept = [r for r in load_results(path) if r["model"] not in ran] if path.exists() else []
     order = list(MODELS)
     merged = sorted(kept + results, key=lambda r: order.index(r["model"]))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**header, "results": merged}, indent=1))
+    write_stamped(path, {"results": merged}, header)
 
 
 def main(argv=None) -> int:
@@ -234,11 +231,11 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"])
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--num-prompts", type=int, default=len(PROMPTS))
-    ap.add_argument("--num-pages", type=int, default=600, help="pages of the cache (enough for every kind)")
-    ap.add_argument("--threads", type=int, default=None)
+    add_engine_args(ap, "num_pages", "num_threads",
+                    num_pages=Default(600, "the 20 prompts and their tokens in every kind at once"))
     ap.add_argument("--backend", default="torch", help="attention backend: the reference (torch) defines the kinds; "
                     "the fast backends are tested against it")
-    ap.add_argument("--cache-dir", type=Path, default=_DEFAULT_CACHE, help="where random checkpoints are kept")
+    add_cache_dir(ap)
     ap.add_argument("--json", type=Path, default=Path("docs/benchmarks/int8_accuracy.json"))
     ap.add_argument("--table", action="store_true", help="print the table of --json and exit")
     args = ap.parse_args(argv)
@@ -246,14 +243,16 @@ def main(argv=None) -> int:
         print_table(load_results(args.json))
         return 0
     prompts = PROMPTS[: args.num_prompts]
-    cpu = {"name": cpu_name(), "avx512_bf16": "avx512_bf16" in cpu_flags(),
-           "threads": args.threads or torch.get_num_threads()}
+    threads = args.num_threads or torch.get_num_threads()
+    header = stamp(threads=threads, dtype=args.dtypes, model=args.models, simulated=False)
+    machine = header["machine"]
+    cpu = {"name": machine["cpu"], "avx512_bf16": "avx512_bf16" in machine["cpu_flags"], "threads": threads}
     print(f"CPU: {cpu['name']} (avx512_bf16: {cpu['avx512_bf16']}), torch threads {cpu['threads']}", flush=True)
     results = []
     for name in args.models:
         results.append(run_model(name, args, prompts))
         if args.json:  # after every model: a long run that stops early keeps what it measured
-            write_json(args.json, {"cpu": cpu, "backend": args.backend, "prompts": PROMPTS}, results)
+            write_json(args.json, {**header, "cpu": cpu, "backend": args.backend, "prompts": PROMPTS}, results)
     print_table(results)
     if args.json:
         print(f"wrote {args.json}")

@@ -25,12 +25,9 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import functools
 import gc
-import json
 import os
 import pstats
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -38,10 +35,9 @@ from pathlib import Path
 import torch
 
 from apt_serve_ray import LLM, SamplingParams
-from apt_serve_ray.worker.cpu_info import cpu_name, has_native_bf16
-from apt_serve_ray.models.checkpoints import make_random_checkpoint
-
-_DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "apt-serve-ray"
+from apt_serve_ray.bench.engine_args import Default, add_cache_dir, add_engine_args, random_checkpoint
+from apt_serve_ray.bench.report import stamp, write_json
+from apt_serve_ray.bench.steps import PARTS, StepTimers, breakdown, group_ops, op_table
 
 
 # Workload ----------------------------------------------------------------------------------------
@@ -52,46 +48,13 @@ def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]
 
 
 # Our engine --------------------------------------------------------------------------------------
-class _Timers:
-    """Wall time of chosen callables, accumulated per engine step."""
-
-    def __init__(self) -> None:
-        self.step: dict[str, float] = {}
-
-    def wrap(self, obj, name: str, key: str) -> None:
-        fn = getattr(obj, name, None)
-        if fn is None:  # the engine moved on; that part then counts as "other"
-            print(f"note: {type(obj).__name__}.{name} not found; not timed separately", file=sys.stderr)
-            return
-
-        @functools.wraps(fn)
-        def timed(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.step[key] = self.step.get(key, 0.0) + time.perf_counter() - t
-
-        setattr(obj, name, timed)  # instance attribute shadows the method; the class is untouched
-
-    def take(self) -> dict[str, float]:
-        out, self.step = self.step, {}
-        return out
-
-
-def build_engine(path: str, args, num_pages: int) -> tuple[LLM, _Timers]:
+def build_engine(path: str, args, num_pages: int) -> tuple[LLM, StepTimers]:
     llm = LLM(path, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, num_pages=num_pages, cache_ratio=0.0)
-    runner = llm.llm_engine.runner
-    timers = _Timers()
-    timers.wrap(runner, "_prepare", "prepare_s")
-    timers.wrap(runner.model, "forward", "forward_s")
-    timers.wrap(runner.model, "compute_logits", "logits_s")
-    timers.wrap(runner.sampler, "sample", "sample_s")
-    return llm, timers
+    return llm, StepTimers.on(llm.llm_engine.runner)
 
 
-def run_engine(llm: LLM, timers: _Timers, prompts, output_len: int) -> dict:
+def run_engine(llm: LLM, timers: StepTimers, prompts, output_len: int) -> dict:
     engine = llm.llm_engine
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     gc.collect()
@@ -117,45 +80,6 @@ def run_engine(llm: LLM, timers: _Timers, prompts, output_len: int) -> dict:
         raise RuntimeError(f"engine produced {num_out} output tokens, expected {len(prompts) * output_len}")
     return {"elapsed_s": elapsed, "cpu_s": cpu, "output_tokens": num_out, "tok_s": num_out / elapsed,
             "tok_per_cpu_s": num_out / cpu, "breakdown": breakdown(steps), "num_steps": len(steps)}
-
-
-_PARTS = ("schedule_s", "prepare_s", "forward_s", "logits_s", "sample_s", "execute_other_s", "postprocess_s")
-
-
-def _split(s: dict) -> dict:
-    model = s.get("forward_s", 0.0) + s.get("logits_s", 0.0)
-    parts = {k: s.get(k, 0.0) for k in ("schedule_s", "prepare_s", "forward_s", "logits_s", "sample_s")}
-    parts["execute_other_s"] = s["execute_s"] - model - parts["prepare_s"] - parts["sample_s"]
-    # total_s runs from the top of step() to the end of postprocessing; what is outside
-    # schedule + execute is watermark/pool upkeep and turning sampled tokens into outputs.
-    parts["postprocess_s"] = s["total_s"] - s["schedule_s"] - s["execute_s"]
-    parts["total_s"] = s["total_s"]
-    return parts
-
-
-def breakdown(steps: list[dict]) -> dict:
-    """Summed seconds per part for all, prefill-carrying and decode-only steps, plus shares."""
-    groups = {"all": steps,
-              "prefill": [s for s in steps if s["num_tokens"] > s["num_seqs"]],
-              "decode": [s for s in steps if s["num_tokens"] == s["num_seqs"]]}
-    out = {}
-    for name, group in groups.items():
-        if not group:
-            continue
-        parts = [_split(s) for s in group]
-        sums = {k: sum(p[k] for p in parts) for k in (*_PARTS, "total_s")}
-        total = sums["total_s"]
-        model = sums["forward_s"] + sums["logits_s"]
-        out[name] = {
-            "num_steps": len(group),
-            "seconds": sums,
-            "share": {k: sums[k] / total for k in _PARTS},
-            "overhead_share": (total - model) / total,
-            "median_step_ms": 1e3 * statistics.median(s["total_s"] for s in group),
-            "median_overhead_ms": 1e3 * statistics.median(p["total_s"] - p["forward_s"] - p["logits_s"] for p in parts),
-            "tokens": sum(s["num_tokens"] for s in group),
-        }
-    return out
 
 
 # transformers ------------------------------------------------------------------------------------
@@ -243,37 +167,10 @@ def torch_profile_decode(llm, prompts, num_steps: int) -> list[tuple[str, float,
         engine.step()
     for _ in range(2):
         engine.step()
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(num_steps):
-            engine.step()
+    rows = op_table(engine.step, num_steps)
     for rid in list(engine.requests):
         engine.abort_request(rid)
-    rows = [(e.key, e.self_cpu_time_total / 1e3 / num_steps, e.count // num_steps) for e in prof.key_averages()]
-    rows.sort(key=lambda r: -r[1])
     return rows
-
-
-_OP_GROUPS = (  # first match wins
-    ("matmul (linear layers, lm-head)", ("addmm", "aten::mm", "aten::linear", "mkldnn::_linear_pointwise")),
-    ("attention kernels (C++ / sdpa / bmm / softmax)", ("apt_serve::", "scaled_dot_product", "bmm", "softmax",
-                                                        "matmul", "baddbmm")),
-    ("paged gather (index / index_select)", ("aten::index", "index_select", "gather")),
-    ("cache write (index_put)", ("index_put",)),
-    ("copies / layout (copy_, contiguous, cat)",
-     ("copy_", "contiguous", "aten::cat", "aten::stack", "clone", "aten::to")),
-    ("norms + elementwise", ("layer_norm", "add", "mul", "clamp", "relu", "embedding", "masked_fill", "where", "div")),
-    ("sampling (argmax / multinomial)", ("argmax", "multinomial", "exponential", "topk", "sort")),
-)
-
-
-def group_ops(rows: list[tuple[str, float, int]]) -> dict[str, float]:
-    groups: dict[str, float] = {}
-    for key, ms, _calls in rows:
-        label = next((g for g, keys in _OP_GROUPS if any(k in key for k in keys)), "other ops")
-        groups[label] = groups.get(label, 0.0) + ms
-    return dict(sorted(groups.items(), key=lambda kv: -kv[1]))
 
 
 # Report ------------------------------------------------------------------------------------------
@@ -297,29 +194,28 @@ def print_table(results: list[dict]) -> None:
           "\noverhead = share of step time outside model.forward + lm-head (ovh decode: decode-only steps)")
     print()
     print("engine step time by part (share of summed step time)")
-    print(f"{'threads':>7} {'steps':>9} " + " ".join(f"{k[:-2]:>13}" for k in _PARTS))
+    print(f"{'threads':>7} {'steps':>9} " + " ".join(f"{k[:-2]:>13}" for k in PARTS))
     for r in results:
         for group in ("all", "prefill", "decode"):
             g = r["engine"]["breakdown"].get(group)
             if g:
-                print(f"{r['threads']:>7} {group:>9} " + " ".join(f"{g['share'][k]:>13.1%}" for k in _PARTS))
+                print(f"{r['threads']:>7} {group:>9} " + " ".join(f"{g['share'][k]:>13.1%}" for k in PARTS))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cache-dir", type=Path, default=_DEFAULT_CACHE, help="where the random checkpoint is kept")
+    add_cache_dir(ap)
     ap.add_argument("--shape", default="opt-125m", help="random-weight checkpoint shape (apt_serve_ray.models.checkpoints.SHAPES)")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                    help="the engine's dtype (float32 on a CPU without native bf16)")
-    ap.add_argument("--num-pages", type=int, default=None,
-                    help="pages of 16 tokens (default: enough that nobody is preempted; 378 = the vLLM comparison's 6,048 tokens)")
+    add_engine_args(ap, "dtype", "num_pages", "max_num_seqs", "max_num_batched_tokens",
+                    dtype=Default("bfloat16", "transformers runs the same dtype; fp32 on a CPU without native bf16",
+                                  ("bfloat16", "float32")),
+                    num_pages=Default(None, "enough that nobody is preempted: this measures throughput "
+                                            "(378 = the vLLM comparison's 6,048 tokens)"))
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch threads; each value is measured")
     ap.add_argument("--hf-batch-size", type=int, default=16)
-    ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--quick", action="store_true", help="32 requests (half the work)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-hf-prefill", action="store_true", help="skip the HF prefill-only run (speed-up ceiling)")
@@ -331,7 +227,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.num_requests = min(args.num_requests, 32)
 
-    path = make_random_checkpoint(args.cache_dir / f"{args.shape}-bf16", args.shape, dtype="bfloat16")
+    path = random_checkpoint(args.shape, args.cache_dir)
     # Enough pages that nobody is ever preempted: this measures throughput, not memory pressure.
     block = 16
     num_pages = args.num_pages or args.num_requests * -(-(args.prompt_len + args.output_len) // block) + 16
@@ -411,11 +307,11 @@ def main(argv=None) -> int:
                          "hf_batch_size": args.hf_batch_size, "max_num_seqs": args.max_num_seqs,
                          "max_num_batched_tokens": args.max_num_batched_tokens},
             "by_threads": results, "profile": profile,
-            "torch": torch.__version__, "cpu_count": os.cpu_count(), "cpu": cpu_name(),
-            "native_bf16": has_native_bf16(),
+            "torch": torch.__version__, "cpu_count": os.cpu_count(),
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(doc, indent=2, default=float))
+        header = stamp(threads=args.threads, dtype=args.dtype, model=f"{args.shape} (random weights)", simulated=False)
+        doc.update(cpu=header["machine"]["cpu"], native_bf16=header["machine"]["native_bf16"])
+        write_json(args.json, doc, header, indent=2)
         print(f"\nwrote {args.json}")
     return 0
 

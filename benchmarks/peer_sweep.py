@@ -4,19 +4,22 @@
         --json docs/benchmarks/peer/peer_sweep.json --out-dir docs/benchmarks/peer
 
 Run it once per server (one server up at a time: on a shared CPU a second server would steal the
-first one's cores); each run adds its label to the JSON file and the table printed at the end holds
+first one's cores), either against a server already up (``--base-url``) or one it starts and stops
+itself (``--start ours|vllm|vllm-nopc`` with the engine flags: what ``vllm_compare.sh`` does); each run
+adds its label to the JSON file and the table printed at the end holds
 every label in it, with effective-throughput ratios against ``--baseline``. How the servers were
 started for the committed results: ``docs/benchmarks.md`` ("Against vLLM").
 
 The traces are ``serving_policies.py``'s (same workloads, seed, ``--max-model-len`` and output caps):
-one base trace per workload, token ids filled with a seed, re-timed for every rate with Gamma gaps.
+one base trace per workload, re-timed for every rate with Gamma gaps and given token ids of its own at
+every rate (``workloads.fresh_ids``: nothing a server cached at one rate helps the next).
 ``--probe`` measures the engine's speed through the server before any SLO question: single-stream
 TTFT and TPOT (``--probe-single`` requests one after another, concurrency 1) and saturated output
 tokens/s (``--probe-saturated`` requests sent at once), on vLLM ``random`` requests of
 ``--probe-input-len`` / ``--probe-output-len`` tokens (range ratio 0.1). ``--probe-only`` skips the sweep.
 
 Every request streams from ``/v1/completions`` with ``ignore_eos`` and is timed on the client by
-``online_client.send_request``: TTFT, every inter-token gap, errors (an HTTP error, a 503 from
+``bench/http_client.py``: TTFT, every inter-token gap, errors (an HTTP error, a 503 from
 admission control or a timeout counts as a miss). Attainment: TTFT < ``--ttft-slo-ms`` and P99 gap
 < ``--tbt-slo-ms``. Once attainment falls below ``--stop-below``, higher rates are skipped: they
 add nothing to the effective throughput and only queue for minutes.
@@ -29,19 +32,18 @@ import asyncio
 import dataclasses
 import json
 import math
+import shlex
 import statistics
 import sys
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import aiohttp
 
-import aiohttp  # noqa: E402
-
-from apt_serve_ray.bench import plots, slo_metrics, workloads  # noqa: E402
-from apt_serve_ray.worker.cpu_info import cpu_name, has_native_bf16  # noqa: E402
-from online_client import first_model, replay  # noqa: E402
+from apt_serve_ray.bench import plots, servers, slo_metrics, workloads
+from apt_serve_ray.bench.engine_args import PEER_MATCHED, Default, add_cache_dir, add_engine_args, engine_kwargs, \
+    random_checkpoint
+from apt_serve_ray.bench.http_client import ClientOptions, first_model, replay, warm_up
+from apt_serve_ray.bench.report import stamp, write_json
 
 DEFAULT_RATES = {"sharegpt": (0.5, 1.0, 1.5, 2.0, 3.0), "longbench": (0.15, 0.3, 0.45, 0.6, 0.9)}
 
@@ -52,28 +54,19 @@ def base_trace(workload: str, args) -> list[workloads.TraceRequest]:
     return workloads.fill_token_ids(base, args.vocab_size, args.seed)
 
 
-async def warm_up(url: str, model: str, args) -> None:
-    body = {"model": model, "prompt": [1, 2, 3, 4], "max_tokens": 4, "temperature": 0.0}
-    async with aiohttp.ClientSession() as session:
-        for _ in range(2):
-            async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=300)) as resp:
-                resp.raise_for_status()
-                await resp.read()
-
-
 def sweep(workload: str, url: str, model: str, args) -> dict:
     base = base_trace(workload, args)
-    rates = sorted(args.rates or DEFAULT_RATES[workload])
+    rates = sorted(getattr(args, f"rates_{workload}") or args.rates or DEFAULT_RATES[workload])
     slos = {"ttft_slo_ms": args.ttft_slo_ms, "tbt_slo_ms": args.tbt_slo_ms}
-    client = argparse.Namespace(ignore_eos=True, timeout=args.timeout, max_concurrency=None,
-                                disable_tqdm=args.disable_tqdm)
+    client = ClientOptions(timeout=args.timeout, disable_tqdm=args.disable_tqdm)
     print(f"\n== {args.label} {workload}: {len(base)} requests, prompt mean "
           f"{statistics.mean(r.prompt_len for r in base):.0f}, output mean "
           f"{statistics.mean(r.output_len for r in base):.0f} tokens; SLO TTFT {args.ttft_slo_ms:.0f} ms, "
           f"P99 gap {args.tbt_slo_ms:.0f} ms", flush=True)
     runs = []
     for rate in rates:
-        trace = workloads.with_rate(base, rate, cv=args.cv, seed=args.seed)
+        trace = workloads.fresh_ids(workloads.with_rate(base, rate, cv=args.cv, seed=args.seed), args.vocab_size,
+                                    args.seed, rate, run=workload)
         timelines, duration = asyncio.run(replay(trace, url, model, client, slos))
         s = slo_metrics.summarize(timelines, duration)
         errors = [t.error for t in timelines if t.error]
@@ -89,8 +82,7 @@ def sweep(workload: str, url: str, model: str, args) -> dict:
     points = [(r["rate"], r["summary"]["slo_attainment"]) for r in runs]
     return {"rates": [r for r, _ in points], "attainment": points, "runs": runs,
             "slo": {"ttft_ms": args.ttft_slo_ms, "tbt_ms": args.tbt_slo_ms},
-            "effective_throughput": {"90": slo_metrics.effective_throughput(points, 0.9),
-                                     "60": slo_metrics.effective_throughput(points, 0.6)},
+            "effective_throughput": slo_metrics.effective_at(points),
             "trace": {"num_requests": len(base), "prompt_lens": [r.prompt_len for r in base],
                       "output_lens": [r.output_len for r in base]}}
 
@@ -102,8 +94,7 @@ def probe(url: str, model: str, args) -> dict:
         trace = workloads.make_random_trace(num, math.inf, args.probe_input_len, args.probe_output_len, 0.1,
                                             seed=args.seed + 1, max_model_len=args.max_model_len)
         trace = workloads.fill_token_ids(trace, args.vocab_size, args.seed + 1)
-        client = argparse.Namespace(ignore_eos=True, timeout=args.timeout, max_concurrency=concurrency,
-                                    disable_tqdm=True)
+        client = ClientOptions(timeout=args.timeout, max_concurrency=concurrency)
         timelines, duration = asyncio.run(replay(trace, url, model, client, {}))
         s = slo_metrics.summarize(timelines, duration)
         result[name] = {k: s[k] for k in ("completed", "failed", "duration", "output_throughput", "mean_ttft_ms",
@@ -153,6 +144,42 @@ def print_table(report: dict, baseline: str | None) -> None:
             print(f"  {label:24s} {e['90']:7.3f} {e['60']:7.3f}   {att}{ratio}")
 
 
+def start_spec(args) -> servers.ServerSpec:
+    ckpt, engine, extra = random_checkpoint(args.shape, args.cache_dir), engine_kwargs(args), shlex.split(args.server_args)
+    if args.start == "ours":
+        engine.update(policy="apt", light_watermark=1.0, heavy_watermark=1.0, default_ttft_slo_ms=args.ttft_slo_ms,
+                      default_tbt_slo_ms=args.tbt_slo_ms)
+        return servers.ours(engine, model=ckpt, served_model_name=args.shape, extra=extra)
+    return servers.named(args.start, engine, model=ckpt, served_model_name=args.shape, vllm_args=extra, kv_cache_gib=2)
+
+
+def measure(args, report: dict, base_url: str) -> None:
+    """Probe and / or sweep the server at ``base_url``; its entry in ``report`` (written to --json)."""
+    url = base_url + args.endpoint
+    try:
+        model = args.model or asyncio.run(first_model(base_url))
+        asyncio.run(warm_up(url, model))
+    except (OSError, aiohttp.ClientError) as e:
+        raise SystemExit(f"error: cannot reach {base_url}: {e}")
+    previous = report["servers"].get(args.label, {})
+    # The client runs on the servers' machine here (base URL 127.0.0.1): its CPU is theirs.
+    header = stamp(threads=args.num_threads if args.start else None, dtype=args.dtype if args.start else None,
+                   model=model, simulated=False, started_here=args.start)
+    result = {**header, "url": base_url, "model": model, "note": args.note or (f"started here: {args.start}" if args.start else ""),
+              "cpu": header["machine"]["cpu"], "native_bf16": header["machine"]["native_bf16"],
+              "config": vars(args), "probe": previous.get("probe"), "workloads": {}}
+    if args.probe or args.probe_only:
+        print(f"\n== {args.label} probe", flush=True)
+        result["probe"] = probe(url, model, args)
+    if not args.probe_only:
+        result["workloads"] = {w: sweep(w, url, model, args) for w in args.workloads}
+    result["workloads"] = {**previous.get("workloads", {}), **result["workloads"]}  # workloads run one at a time
+    report["servers"][args.label] = result
+    if args.json:
+        write_json(args.json, report, stamp(threads=None, dtype=None, model=None, simulated=False))
+        print(f"\nwritten {args.json}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -162,8 +189,9 @@ def main(argv=None) -> int:
     ap.add_argument("--note", default="", help="how the server was started (recorded in the JSON)")
     ap.add_argument("--workloads", nargs="+", default=["sharegpt", "longbench"])
     ap.add_argument("--rates", type=float, nargs="+", default=None, help="req/s (default: per workload)")
+    ap.add_argument("--rates-sharegpt", type=float, nargs="+", default=None, help="sharegpt's (over --rates)")
+    ap.add_argument("--rates-longbench", type=float, nargs="+", default=None, help="longbench's (over --rates)")
     ap.add_argument("--num-requests", type=int, default=32)
-    ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--max-output-len", type=int, default=128, help="output cap")
     ap.add_argument("--vocab-size", type=int, default=49152, help="range of random prompt token ids")
     ap.add_argument("--cv", type=float, default=1.0, help="arrival burstiness (1 = Poisson)")
@@ -184,6 +212,16 @@ def main(argv=None) -> int:
     ap.add_argument("--probe-output-len", type=int, default=128)
     ap.add_argument("--probe-single", type=int, default=8, help="requests at concurrency 1")
     ap.add_argument("--probe-saturated", type=int, default=64, help="requests sent at once")
+    ap.add_argument("--start", choices=("ours", "vllm", "vllm-nopc"), default=None,
+                    help="start this server here (on its own port), measure, stop it: the engine flags below and "
+                         "--shape say what it serves; ours with watermarks at 1.0 (vLLM has no admission control, "
+                         "and a 503 would count as a miss) and the SLOs as its defaults (apt schedules by them)")
+    ap.add_argument("--shape", default="opt-125m", help="--start: the random-weight checkpoint served")
+    ap.add_argument("--server-args", default="", help="--start: extra server arguments, one string")
+    ap.add_argument("--log-dir", type=Path, default=Path("/tmp"), help="--start: the server's log")
+    add_cache_dir(ap)
+    add_engine_args(ap, dtype=Default("bfloat16", "vllm_compare.sh's default"), **{
+        **PEER_MATCHED, "max_model_len": Default(1024, "the traces' prompts and outputs fit (outputs <= 128)")})
     args = ap.parse_args(argv)
     for name in ("num_requests", "max_model_len"):
         if getattr(args, name) < 1:
@@ -196,30 +234,12 @@ def main(argv=None) -> int:
 
     report = json.loads(args.json.read_text()) if args.json and args.json.exists() else {"servers": {}}
     if not args.table_only:
-        base_url = args.base_url.rstrip("/")
-        url = base_url + args.endpoint
-        try:
-            model = args.model or asyncio.run(first_model(base_url))
-            asyncio.run(warm_up(url, model, args))
-        except (OSError, aiohttp.ClientError) as e:
-            return f"error: cannot reach {base_url}: {e}"  # type: ignore[return-value]
-        previous = report["servers"].get(args.label, {})
-        # The client runs on the servers' machine here (base URL 127.0.0.1): its CPU is theirs.
-        result = {"url": base_url, "model": model, "note": args.note, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-                  "cpu": cpu_name(), "native_bf16": has_native_bf16(),
-                  "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                  "probe": previous.get("probe"), "workloads": {}}
-        if args.probe or args.probe_only:
-            print(f"\n== {args.label} probe", flush=True)
-            result["probe"] = probe(url, model, args)
-        if not args.probe_only:
-            result["workloads"] = {w: sweep(w, url, model, args) for w in args.workloads}
-        result["workloads"] = {**previous.get("workloads", {}), **result["workloads"]}  # workloads run one at a time
-        report["servers"][args.label] = result
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(report, indent=1))
-            print(f"\nwritten {args.json}")
+        if args.start is None:
+            measure(args, report, args.base_url.rstrip("/"))
+        else:
+            spec = start_spec(args)
+            with servers.running(spec, args.log_dir / f"peer_sweep_{args.label}.log"):
+                measure(args, report, spec.base_url)
     print_probe_table(report, args.baseline)
     print_table(report, args.baseline)
     if args.out_dir:

@@ -18,19 +18,17 @@ one for a checkpoint with today's engine instead (what the engine's own ``apt`` 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import numpy as np
 
-from apt_serve_ray.bench.simulator import MHA_LAYOUT, CostModel, SimulatedEngine
-from apt_serve_ray.bench.slo_metrics import effective_throughput
+from apt_serve_ray.bench.engine_args import PEER_MATCHED, Default, add_engine_args
+from apt_serve_ray.bench.report import stamp, write_json
+from apt_serve_ray.bench.simulator import CPU_OPT125M, CPU_OPT125M_RHO, CostModel, calibrated_cost, simulated_engine
+from apt_serve_ray.bench.slo_metrics import effective_at
 from apt_serve_ray.bench.workloads import make_trace
 from apt_serve_ray.config import EngineConfig
-from apt_serve_ray.scheduler.policies.apt import AdaptiveScheduler
 
-CPU_OPT125M = CostModel(base_s=0.0195, per_token_s=0.00113, per_context_s=0.000015, hidden_context_s=0.000139)
-RHO_CPU_OPT125M = 0.00222  # seconds per 16-token page per step (hidden_cache_cost.py)
 POLICIES = ("fcfs", "sarathi", "priority", "apt", "apt-kv-only")
 
 
@@ -40,10 +38,7 @@ def simulate(policy: str, trace, args, cost: CostModel, rho: float) -> dict:
                           max_num_seqs=args.max_num_seqs, default_ttft_slo_ms=args.ttft_slo_ms,
                           default_tbt_slo_ms=args.tbt_slo_ms, enable_hybrid_cache=policy != "apt-kv-only",
                           cache_ratio=args.cache_ratio)
-    scheduler = None
-    if policy.startswith("apt"):
-        scheduler = AdaptiveScheduler(config=config, rho=rho, step_model=cost)
-    sim = SimulatedEngine(config, layout=MHA_LAYOUT, num_pages=args.num_pages, cost=cost, policy=scheduler)
+    sim = simulated_engine(config, cost=cost, rho=rho, num_pages=args.num_pages)
     pending, requests = list(trace), []
     while pending or sim.scheduler.num_unfinished:
         while pending and pending[0].arrival_s <= sim.now:
@@ -64,17 +59,6 @@ def simulate(policy: str, trace, args, cost: CostModel, rho: float) -> dict:
             "unfinished": sum(not r.is_finished for r in requests)}
 
 
-def calibrated(path: str, dtype: str) -> tuple[CostModel, float]:
-    """The step-time model and rho the engine measures at start for ``apt`` on this checkpoint."""
-    from apt_serve_ray import LLM
-
-    llm = LLM(path, policy="apt", calibrate_rho=True, dtype=dtype, num_threads=1)
-    costs = llm.llm_engine.scheduler.policy.costs
-    st = costs.step_time
-    return CostModel(base_s=st.a, per_token_s=st.b, per_context_s=st.c,
-                     hidden_context_s=st.hidden_seconds_per_token), float(costs.rho or 0.0)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workloads", nargs="+", default=["sharegpt", "longbench"])
@@ -85,20 +69,18 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", help="of the calibration run")
     p.add_argument("--num-requests", type=int, default=150)
     p.add_argument("--policies", nargs="+", default=list(POLICIES))
-    p.add_argument("--num-pages", type=int, default=375, help="16-token KV pages (375 = 6,000 tokens, as the vLLM peer)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    add_engine_args(p, "num_pages", "max_num_batched_tokens", "max_num_seqs", "max_model_len", "cache_ratio",
+                    **{**PEER_MATCHED, "num_pages": Default(375, "6,000 KV tokens: the runs of docs/benchmarks.md "
+                                                                 "(issue 12); the peer comparisons since use 378"),
+                       "cache_ratio": Default(1.0, "no ceiling binds (0: KV only)")})
     p.add_argument("--ttft-slo-ms", type=float, default=4000)
     p.add_argument("--tbt-slo-ms", type=float, default=500)
-    p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cache-ratio", type=float, default=1.0,
-                   help="ceiling of the pool's pages in the hidden kind (1: no ceiling binds; 0: KV only)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     default_rates = {"sharegpt": [0.1, 0.2, 0.3, 0.4, 0.5, 0.8], "longbench": [0.05, 0.1, 0.15, 0.2, 0.3],
                      "humaneval": [0.2, 0.4, 0.6, 0.8, 1.2]}
-    cost, rho = calibrated(args.calibrate, args.dtype) if args.calibrate else (CPU_OPT125M, RHO_CPU_OPT125M)
+    cost, rho = calibrated_cost(args.calibrate, args.dtype) if args.calibrate else (CPU_OPT125M, CPU_OPT125M_RHO)
     print(f"cost model: {cost} ; rho {rho * 1e3:.3f} ms per page per step"
           f" ({'measured on ' + args.calibrate if args.calibrate else 'stored'})")
     results: dict = {"cost_model": vars(cost), "rho": rho, "calibrated_on": args.calibrate, "dtype": args.dtype,
@@ -119,13 +101,14 @@ def main() -> None:
                 points[pol].append((rate, res["attainment"]))
                 cells.append(f"{res['attainment']:>9.2f} ({res['preemptions']:>4})")
             print(f"{rate:>6} " + " ".join(cells), flush=True)
-        eff = {pol: {"90": effective_throughput(pts, 0.9), "60": effective_throughput(pts, 0.6)}
-               for pol, pts in points.items()}
+        eff = {pol: effective_at(pts) for pol, pts in points.items()}
         results["effective_throughput"][workload] = eff
         print("effective throughput (req/s) at 90% / 60%: " + ", ".join(
             f"{pol} {e['90']:.3f} / {e['60']:.3f}" for pol, e in eff.items()))
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+        header = stamp(threads=1, dtype=args.dtype, model=args.calibrate or "stored OPT-125m cost model",
+                       simulated=True)
+        write_json(args.json, results, header, indent=2)
 
 
 if __name__ == "__main__":

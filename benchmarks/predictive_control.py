@@ -33,25 +33,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
-import socket
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from apt_serve_ray.bench import plots, workloads
+from apt_serve_ray.bench.engine_args import Default, add_engine_args, engine_kwargs, random_checkpoint
+from apt_serve_ray.bench.http_client import ClientOptions, replay
+from apt_serve_ray.bench.report import stamp, write_json
+from apt_serve_ray.bench.servers import REPO, local_serve
+from apt_serve_ray.bench.slo_metrics import passes_slo, summarize
+from apt_serve_ray.scheduler.predictor import TrafficPredictor, mape
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-from apt_serve_ray.bench import workloads  # noqa: E402
-from apt_serve_ray.bench.slo_metrics import passes_slo, summarize  # noqa: E402
-from apt_serve_ray.scheduler.predictor import TrafficPredictor, mape  # noqa: E402
 
 APP = "predictive-bench"
 MODES = ("predictive", "reactive", "none")
@@ -63,9 +61,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--shape", default="opt-tiny", choices=["opt-tiny", "opt-125m"], help="random checkpoint")
     p.add_argument("--workload", default="humaneval", choices=sorted(workloads.WORKLOADS))
     p.add_argument("--max-output-len", type=int, default=128)
-    p.add_argument("--num-pages", type=int, default=96, help="per replica")
-    p.add_argument("--policy", default="apt")
-    p.add_argument("--cache-kinds", default="hidden,kv-int8", help="the replicas' cache_kinds")
+    add_engine_args(p, "num_pages", "policy", "cache_kinds",
+                    num_pages=Default(96, "per replica: a pool small enough that the traffic's peaks bind"),
+                    cache_kinds=Default(("hidden", "kv-int8"), "serve_config.yaml's kinds"))
     p.add_argument("--rate", type=float, default=3.0, help="mean req/s of the Gamma traces")
     p.add_argument("--low", type=float, default=1.0)
     p.add_argument("--high", type=float, default=6.0)
@@ -85,7 +83,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-cpus", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="on/off and CV 4 only, 80 s each")
     p.add_argument("--tag", default=None, help="suffix of the output files (default: _quick with --quick)")
-    p.add_argument("--out-dir", default=str(ROOT / "docs" / "benchmarks" / "predictive"))
+    p.add_argument("--out-dir", default=str(REPO / "docs" / "benchmarks" / "predictive"))
     a = p.parse_args()
     if a.quick:
         a.cvs, a.duration = "4", 80.0
@@ -107,7 +105,9 @@ def traces(a, vocab: int) -> dict[str, tuple[list, object]]:
         trace = workloads.make_trace(a.workload, max(4, int(a.rate * a.duration)), a.rate, cv, a.seed,
                                      vocab_size=vocab, max_output_len=a.max_output_len)
         out[f"gamma cv{cv:g}"] = (trace, None)
-    return out
+    # One app serves every trace of a mode: each trace's prompts its own (the traces share a seed).
+    return {name: (workloads.fresh_ids(trace, vocab, a.seed, a.rate, run=name), shape)
+            for name, (trace, shape) in out.items()}
 
 
 def wape(forecast, actual) -> float:
@@ -133,9 +133,8 @@ def offline_errors(trace, horizon: float) -> dict:
 
 # The app ----------------------------------------------------------------------------------------
 def app_args(a, model: str, mode: str) -> dict:
-    args = {"model": model, "num_replicas": 2, "num_pages": a.num_pages, "num_threads": 1, "max_num_seqs": 16,
-            "num_cpus_per_replica": 0.5, "policy": a.policy, "control_interval_s": 0.25,
-            "routing_stats_period_s": 0.5, "dtype": "float32", "cache_kinds": a.cache_kinds.split(","),
+    args = {"model": model, "num_replicas": 2, "num_threads": 1, "max_num_seqs": 16, **engine_kwargs(a),
+            "num_cpus_per_replica": 0.5, "control_interval_s": 0.25, "routing_stats_period_s": 0.5, "dtype": "float32",
             "stream_interval_s": a.stream_interval, "stream_items_per_s": a.stream_items_per_s}
     if mode.endswith("-refuse"):
         args["heavy_watermark_action"] = "refuse"
@@ -151,18 +150,11 @@ def app_args(a, model: str, mode: str) -> dict:
 
 async def run_trace(url: str, model: str, trace, a, controller) -> tuple[list, float, list, list]:
     """Replay over HTTP while polling the controller: (timelines, duration, forecasts, decisions)."""
-    import aiohttp
-    from online_client import send_request
-
-    client_args = argparse.Namespace(ignore_eos=True, timeout=600.0)
-    slos = {"ttft_slo_ms": a.ttft_slo_ms, "tbt_slo_ms": a.tbt_slo_ms}
     forecasts, decisions, seen = [], [], set()
-    t0 = time.perf_counter()
-    wall0 = time.time()
-    done = asyncio.Event()
 
-    async def poll():
-        while not done.is_set():
+    async def poll(t0: float) -> None:
+        wall0 = time.time() - (time.perf_counter() - t0)
+        while True:
             state = await controller.get_state.remote()
             t = time.perf_counter() - t0
             if state.forecast is not None:
@@ -178,16 +170,9 @@ async def run_trace(url: str, model: str, trace, a, controller) -> tuple[list, f
                                       "reason": d.reason})
             await asyncio.sleep(0.5)
 
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        async def one(req):
-            await asyncio.sleep(max(0.0, req.arrival_s - (time.perf_counter() - t0)))
-            return await send_request(session, url, req, model, client_args, slos, t0)
-
-        poller = asyncio.create_task(poll())
-        timelines = await asyncio.gather(*(one(r) for r in trace))
-        done.set()
-        await poller
-    return list(timelines), time.perf_counter() - t0, forecasts, decisions
+    slos = {"ttft_slo_ms": a.ttft_slo_ms, "tbt_slo_ms": a.tbt_slo_ms}
+    timelines, duration = await replay(trace, url, model, ClientOptions(timeout=600.0), slos, during=poll)
+    return timelines, duration, forecasts, decisions
 
 
 def live_errors(forecasts: list[dict], trace, horizon: float) -> dict:
@@ -226,107 +211,24 @@ def summarize_run(timelines, duration: float, trace, shape) -> dict:
     return out
 
 
-def plot(run: dict, trace, shape, a, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rates = workloads.arrival_rates(trace, 1.0)
-    fig, ax = plt.subplots(figsize=(10, 4.2))
-    ax.step(np.arange(len(rates)), rates, where="post", color="#999999", lw=0.8, label="arrivals / s")
-    t_grid = np.arange(0, len(rates))
-    ax.plot(t_grid, shape.rate(t_grid + 0.5), color="black", lw=0.8, ls=":", label="trace rate")
-    f = run["forecasts"]
-    if f:
-        t = np.array([x["t"] for x in f])
-        ax.plot(t + a.horizon / 2, [x["rate"] for x in f], color="#4c72b0", lw=1.4,
-                label=f"forecast mean over next {a.horizon:g} s (drawn mid-horizon)")
-        ax.fill_between(t + a.horizon / 2, [x["low"] for x in f], [x["high"] for x in f], color="#4c72b0",
-                        alpha=0.2, label="forecast band")
-    colors = {"raise_hidden_target": "#dd8452", "tighten_admission": "#c44e52", "pressure_replica": "#8172b3",
-              "lower_hidden_target": "#55a868", "relax_admission": "#55a868", "unpressure_replica": "#55a868",
-              "close_admission": "black", "open_admission": "black"}
-    labelled = set()
-    for d in run["decisions"]:
-        for action in d["actions"]:
-            label = action if action not in labelled else None
-            labelled.add(action)
-            ax.axvline(d["t"], color=colors.get(action, "grey"), lw=0.7, alpha=0.7, label=label,
-                       ls="-" if d["replica"] is None else "--")
-    ax.set_xlabel("seconds since the trace started")
-    ax.set_ylabel("requests / s")
-    ax.set_title("on/off trace, predictive control: forecast vs actual arrivals; actions (dashed: one replica)")
-    ax.legend(fontsize=7, loc="upper left", ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def attainment_by_phase(requests: list[dict], shape, bin_s: float = 1.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(bin edges in seconds into the period, share of the requests arriving in each bin that passed,
-    how many arrived there), over every period of the trace."""
-    arrivals = np.array([r["arrival_s"] for r in requests])
-    passed = np.array([r["passed"] for r in requests], dtype=float)
-    edges = np.arange(0.0, shape.period_s + bin_s / 2, bin_s)
-    which = np.clip(np.digitize(np.mod(arrivals, shape.period_s), edges) - 1, 0, len(edges) - 2)
-    count = np.bincount(which, minlength=len(edges) - 1)
-    share = np.bincount(which, weights=passed, minlength=len(edges) - 1) / np.maximum(count, 1)
-    return edges, np.where(count > 0, share, np.nan), count
-
-
-def plot_phases(results: dict, shape, path: Path) -> None:
-    """Attainment by the second of the on/off period a request arrived in, one line per mode: whether
-    requests miss at a peak's onset (where acting ahead could help) or later in it."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 3.6))
-    high_from = shape.period_s * (1 - shape.duty)
-    ax.axvspan(high_from, shape.period_s, color="#f2d7d5", alpha=0.6, label=f"high phase ({shape.high:g} req/s)")
-    for mode, runs in results["runs"].items():
-        row = runs.get("on/off")
-        if row is None:
-            continue
-        edges, share, _ = attainment_by_phase(row["requests"], shape)
-        ax.stairs(share, edges, lw=1.4, label=f"{mode} ({row['attainment']:.0%} overall)")
-    ax.set_xlim(0, shape.period_s)
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_xlabel(f"second of the {shape.period_s:g}-s period the request arrived in")
-    ax.set_ylabel("SLO attainment")
-    ax.set_title("on/off trace: attainment by arrival phase, all periods pooled")
-    ax.legend(fontsize=7, loc="lower left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def main() -> None:
     a = parse_args()
-    import ray
     from ray import serve
 
-    from apt_serve_ray.models.checkpoints import make_random_checkpoint
     from deployments.app import build_app
 
-    model = make_random_checkpoint(ROOT / ".cache" / "checkpoints" / a.shape, a.shape)
+    model = random_checkpoint(a.shape, dtype="float32")
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(model).vocab_size
     runs = traces(a, vocab)
+    header = stamp(threads=1, dtype="float32", model=f"{a.shape} (random weights)", simulated=False)
     results: dict = {"args": vars(a), "cpu": os.cpu_count(), "offline_errors": {}, "runs": {}}
     for name, (trace, _) in runs.items():
         results["offline_errors"][name] = offline_errors(trace, a.horizon)
 
-    ray.init(num_cpus=a.num_cpus, include_dashboard=False, log_to_driver=False)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    url = f"http://127.0.0.1:{port}/v1/completions"
-    try:
+    with local_serve(a.num_cpus) as port:
+        url = f"http://127.0.0.1:{port}/v1/completions"
         for mode in a.modes.split(","):
             started = time.perf_counter()
             serve.run(build_app(app_args(a, model, mode)), name=APP, route_prefix="/")
@@ -345,18 +247,16 @@ def main() -> None:
                       + f", goodput {row['goodput']:.2f} req/s, {len(decisions)} decisions", flush=True)
                 wait_idle(controller)
             serve.delete(APP)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     suffix = a.tag if a.tag is not None else ("_quick" if a.quick else "")
     if "predictive" in results["runs"]:
         trace, shape = runs["on/off"]
-        plot(results["runs"]["predictive"]["on/off"], trace, shape, a, out / f"forecast_onoff{suffix}.png")
-    plot_phases(results, runs["on/off"][1], out / f"phases_onoff{suffix}.png")
-    (out / f"predictive_control{suffix}.json").write_text(json.dumps(results, separators=(",", ":"), default=float))
+        plots.plot_forecast(results["runs"]["predictive"]["on/off"], trace, shape, a.horizon,
+                            out / f"forecast_onoff{suffix}.png")
+    plots.plot_phases(results, runs["on/off"][1], out / f"phases_onoff{suffix}.png")
+    write_json(out / f"predictive_control{suffix}.json", results, header, indent=None)
     print_table(results, runs)
 
 

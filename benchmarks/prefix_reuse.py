@@ -36,103 +36,19 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import platform
-import sys
 import time
 from pathlib import Path
 
-import aiohttp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from apt_serve_ray.bench.conversations import (ConversationSpec, Session, make_sessions, relabel,  # noqa: E402
-                                             shared_token_share)
-from apt_serve_ray.bench.slo_metrics import RequestTimeline, effective_throughput, p99_gap_ms, passes_slo, ttft_ms  # noqa: E402
-from apt_serve_ray.bench.workloads import Uniform  # noqa: E402
-from apt_serve_ray.worker.cpu_info import cpu_name, has_native_bf16  # noqa: E402
-
-_REPO = Path(__file__).resolve().parents[1]
-
-
-# The client ---------------------------------------------------------------------------------------
-async def send(http: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int, s: Session,
-               told: tuple[str, ...], t0: float, timeout: float) -> tuple[RequestTimeline, list[int], int | None]:
-    """One streamed request; its timeline, the token ids it generated and the cached tokens reported."""
-    body = {"model": "opt-125m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-            "return_token_ids": True}
-    if "priority" in told and s.service.priority:
-        body["priority"] = s.service.priority
-    if "slos" in told:
-        body.update(ttft_slo_ms=s.service.ttft_slo_ms, tbt_slo_ms=s.service.tbt_slo_ms)
-    t = RequestTimeline(s.session_id, time.perf_counter() - t0, None, [], None, len(prompt), 0,
-                        ttft_slo_ms=s.service.ttft_slo_ms, tbt_slo_ms=s.service.tbt_slo_ms)
-    ids: list[int] = []
-    cached = None
-    try:
-        async with http.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-            if resp.status != 200:
-                t.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
-                return t, ids, cached
-            pending = b""
-            async for chunk in resp.content.iter_any():
-                now = time.perf_counter() - t0
-                *events, pending = (pending + chunk).replace(b"\r\n", b"\n").split(b"\n\n")
-                for event in events:
-                    data = b"\n".join(line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:"))
-                    if not data:
-                        continue
-                    if data == b"[DONE]":
-                        t.finish_s = t.token_times_s[-1] if t.token_times_s else now
-                        continue
-                    payload = json.loads(data)
-                    if "error" in payload:
-                        t.error = str(payload["error"])
-                        return t, ids, cached
-                    new = [tok for c in payload.get("choices") or [] for tok in (c.get("token_ids") or [])]
-                    if new:
-                        ids.extend(new)
-                        t.first_token_s = now if t.first_token_s is None else t.first_token_s
-                        t.token_times_s.append(now)
-                    usage = payload.get("usage") or {}
-                    details = usage.get("prompt_tokens_details") or {}
-                    if details.get("cached_tokens") is not None:
-                        cached = details["cached_tokens"]
-            if t.finish_s is None:
-                t.error = "stream closed before [DONE]"
-    except asyncio.TimeoutError:
-        t.error = f"timeout after {timeout} s"
-    except (aiohttp.ClientError, OSError, ValueError) as exc:
-        t.error = f"{type(exc).__name__}: {exc}"
-    t.num_output_tokens = len(ids)
-    return t, ids, cached
-
-
-async def run_sessions(sessions: list[Session], url: str, told: tuple[str, ...], timeout: float):
-    """Every session on its timing, each turn after the previous reply and a think time. Returns one
-    record per request: (session, turn, timeline, cached tokens), and the duration."""
-    records = []
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
-        t0 = time.perf_counter()
-
-        async def one(s: Session) -> None:
-            await asyncio.sleep(max(0.0, s.start_s - (time.perf_counter() - t0)))
-            history = list(s.prefix)
-            for turn, (message, out) in enumerate(zip(s.messages, s.output_lens)):
-                prompt = history + message
-                t, ids, cached = await send(http, url, prompt, out, s, told, t0, timeout)
-                records.append((s, turn, t, cached))
-                if t.error is not None:
-                    return  # the conversation ends here, as a user's would
-                history = prompt + ids
-                if turn < len(s.think_s):
-                    await asyncio.sleep(s.think_s[turn])
-
-        await asyncio.gather(*(one(s) for s in sessions))
-        duration = time.perf_counter() - t0
-    return records, duration
+from apt_serve_ray.bench import servers
+from apt_serve_ray.bench.conversations import ConversationSpec, make_sessions, shared_token_share
+from apt_serve_ray.bench.engine_args import (PEER_DTYPE, PEER_MATCHED, add_cache_dir, add_engine_args, engine_kwargs,
+                                             random_checkpoint)
+from apt_serve_ray.bench.http_client import ClientOptions, run_sessions
+from apt_serve_ray.bench.report import stamp, write_json
+from apt_serve_ray.bench.slo_metrics import effective_throughput, p99_gap_ms, passes_slo, ttft_ms
+from apt_serve_ray.bench.workloads import Uniform, fresh_ids
 
 
 def analyze(records, duration_s: float) -> dict:
@@ -170,20 +86,6 @@ def analyze(records, duration_s: float) -> dict:
 
 
 # Servers -----------------------------------------------------------------------------------------
-def server(name: str, args, ckpt: str, port: int):
-    import mixed_traffic as mt
-
-    if name in ("ours", "ours-nopc"):
-        ns = argparse.Namespace(**{**vars(args), "ours_args": list(args.ours_args) + (
-            ["enable_prefix_caching=false"] if name == "ours-nopc" else [])})
-        return mt.server_command("ours", ns, ckpt, port)
-    if name in ("vllm", "vllm-nopc", "vllm-priority"):
-        extra = ["--enable-prompt-tokens-details"] + (["--no-enable-prefix-caching"] if name == "vllm-nopc" else [])
-        ns = argparse.Namespace(**{**vars(args), "vllm_args": list(args.vllm_args) + extra})
-        return mt.server_command("vllm-priority" if name == "vllm-priority" else "vllm", ns, ckpt, port)
-    raise SystemExit(f"--servers: unknown {name!r}; valid: ours ours-nopc vllm vllm-nopc vllm-priority")
-
-
 def spec_of(args) -> ConversationSpec:
     return ConversationSpec(num_sessions=args.sessions, chat_share=args.chat_share, num_groups=args.groups,
                             system_len=Uniform(*args.system_len), turns=Uniform(*args.turns), think_s=args.think_s,
@@ -193,35 +95,33 @@ def spec_of(args) -> ConversationSpec:
 def run_serve(args, save=None) -> dict:
     """Every server in turn; ``save(data)`` after each run, so that what was measured survives a
     server that fails to start later."""
-    import mixed_traffic as mt
-
-    from apt_serve_ray.models.checkpoints import make_random_checkpoint
-
-    ckpt = make_random_checkpoint(args.cache_dir / "opt-125m-bf16", "opt-125m", dtype="bfloat16")
+    ckpt = random_checkpoint("opt-125m", args.cache_dir)
     spec = spec_of(args)
     results, failed = {}, {}
     for name in args.servers:
-        port = 8000 if name.startswith("ours") else args.vllm_port
-        cmd, env, told = server(name, args, ckpt, port)
+        # vLLM reports cached tokens with --enable-prompt-tokens-details (it changes nothing else).
+        server = servers.named(name, engine_kwargs(args), model=ckpt, served_model_name="opt-125m",
+                               ours_args=args.ours_args, vllm_args=["--enable-prompt-tokens-details", *args.vllm_args],
+                               vllm_port=args.vllm_port)
         log = Path(args.log_dir) / f"prefix_{name}.log"
-        print(f"== {name}: starting ({' '.join(cmd[:3])} ...; log {log})", flush=True)
+        print(f"== {name}: starting ({' '.join(server.cmd[:3])} ...; log {log})", flush=True)
         try:
-            proc = mt.start_server(cmd, env, port, log)
+            proc = servers.start_server(server, log)
         except (RuntimeError, OSError, SystemExit) as exc:
             print(f"== {name}: did not start ({exc}); the other servers go on", flush=True)
             failed[name] = str(exc)
             continue
         results[name] = []
-        url = f"http://127.0.0.1:{port}/v1/completions"
+        url, client = f"{server.base_url}/v1/completions", ClientOptions(timeout=args.timeout, request_fields=server.told)
         try:
             warm = make_sessions(ConversationSpec(num_sessions=2, turns=Uniform(1, 1)), 100.0, seed=999_983)
-            asyncio.run(run_sessions(warm, url, told, args.timeout))  # its own seed: nothing of the trace cached
+            asyncio.run(run_sessions(warm, url, "opt-125m", client))  # its own seed: nothing of the trace cached
             for seed in args.seeds:
                 for rate in args.rates:
                     sessions = make_sessions(spec, rate, args.cv, seed)
                     if not args.same_tokens:  # no help from what the server cached at the rate before
-                        sessions = relabel(sessions, seed * 1_000_003 + round(rate * 1000), spec.vocab_size)
-                    records, duration = asyncio.run(run_sessions(sessions, url, told, args.timeout))
+                        sessions = fresh_ids(sessions, spec.vocab_size, seed, rate)
+                    records, duration = asyncio.run(run_sessions(sessions, url, "opt-125m", client))
                     a = analyze(records, duration)
                     a.update(rate=rate, seed=seed, ideal_hit_rate=shared_token_share(sessions))
                     results[name].append(a)
@@ -231,7 +131,7 @@ def run_serve(args, save=None) -> dict:
                     if len(args.rates) > 1 or len(args.seeds) > 1:
                         time.sleep(args.idle_s)  # idle between rates: every conversation of the last has ended
         finally:
-            mt.stop_server(proc)
+            servers.stop_server(proc)
     return {"results": results, "failed": failed}
 
 
@@ -242,8 +142,8 @@ def run_sim(args) -> dict:
     replayed on ``SimulatedEngine`` (its replies are one token id repeated: the history re-sent is
     still the conversation's own). No model, no HTTP, no controller: for comparing cache rules side by
     side in seconds, not for comparing with vLLM."""
-    from apt_serve_ray.bench.simulator import OUTPUT_TOKEN_ID, CostModel, SimulatedEngine
-    from apt_serve_ray.bench.slo_metrics import RequestTimeline as Timeline
+    from apt_serve_ray.bench.conversations import replay_simulated
+    from apt_serve_ray.bench.simulator import CostModel, SimulatedEngine
     from apt_serve_ray.config import EngineConfig
     from apt_serve_ray.scheduler.costs import StepCosts
 
@@ -265,7 +165,7 @@ def run_sim(args) -> dict:
                 sim = SimulatedEngine(config, num_pages=args.num_pages, cost=cost, max_model_len=args.max_model_len)
                 if hasattr(sim.scheduler.policy, "set_costs"):  # as the engine calibrates them: rho, step times
                     sim.scheduler.policy.set_costs(StepCosts(rho=args.sim_rho, step_time=cost))
-                records = _replay(sim, sessions, Timeline, OUTPUT_TOKEN_ID)
+                records = replay_simulated(sim, sessions)
                 a = analyze(records, sim.now)
                 a.update(rate=rate, seed=seed, ideal_hit_rate=shared_token_share(sessions))
                 results[name].append(a)
@@ -278,34 +178,6 @@ def _value(text: str):
         return json.loads(text)
     except json.JSONDecodeError:
         return text
-
-
-def _replay(sim, sessions: list[Session], Timeline, reply_token: int) -> list:
-    """The sessions on the simulated clock: each turn arrives at its time (the first at the session's
-    start, the next a think time after the previous reply), with the history re-sent."""
-    pending = sorted(((s.start_s, s.session_id, s, 0, list(s.prefix)) for s in sessions), key=lambda e: e[:2])
-    live, records = {}, []
-    while pending or live:
-        if not live and pending and pending[0][0] > sim.now:
-            sim.now = pending[0][0]
-        while pending and pending[0][0] <= sim.now:
-            _, _, s, turn, history = pending.pop(0)
-            prompt = history + s.messages[turn]
-            r = sim.add(0, s.output_lens[turn], prompt_token_ids=prompt, ttft_slo_ms=s.service.ttft_slo_ms,
-                        tbt_slo_ms=s.service.tbt_slo_ms, priority=s.service.priority)
-            live[r.request_id] = (s, turn, prompt, r)
-        sim.step()
-        for rid in [rid for rid, (*_, r) in live.items() if r.is_finished]:
-            s, turn, prompt, r = live.pop(rid)
-            t = Timeline(rid, r.arrival_time, r.first_token_time, list(r.token_times), r.finish_time,
-                         len(prompt), len(r.output_token_ids), ttft_slo_ms=s.service.ttft_slo_ms,
-                         tbt_slo_ms=s.service.tbt_slo_ms)
-            records.append((s, turn, t, r.num_cached_tokens or 0))
-            if turn + 1 < s.num_turns:
-                at = sim.now + s.think_s[turn]
-                pending.append((at, s.session_id, s, turn + 1, prompt + [reply_token] * len(r.output_token_ids)))
-                pending.sort(key=lambda e: e[:2])
-    return records
 
 
 # Report ------------------------------------------------------------------------------------------
@@ -356,12 +228,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--turns", nargs=2, type=int, default=[3, 8])
     p.add_argument("--think-s", type=float, default=5.0)
     p.add_argument("--cv", type=float, default=1.0)
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--num-pages", type=int, default=378, help="pages of 16 tokens (vLLM: the same bytes)")
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    add_engine_args(p, dtype=PEER_DTYPE, **PEER_MATCHED)
     p.add_argument("--ours-args", nargs="*", default=[])
     p.add_argument("--vllm-args", nargs="*", default=[])
     p.add_argument("--vllm-port", type=int, default=8100)
@@ -370,8 +237,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--same-tokens", action="store_true",
                    help="serve: every rate sends the same token ids (one seed, one set of sessions re-timed), so "
                         "a rate finds what the rate before it left in the server's cache; by default each rate's "
-                        "sessions are relabelled into tokens of their own (bench.conversations.relabel)")
-    p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "apt-serve-ray")
+                        "sessions are relabelled into tokens of their own (bench.workloads.fresh_ids)")
+    add_cache_dir(p)
     p.add_argument("--log-dir", default="/tmp")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--variants", nargs="+", default=["value", "lru:prefix_cache_retention=lru"],
@@ -392,16 +259,12 @@ def main(argv=None) -> None:
             raise SystemExit("report: --json PATH")
         print(report(args.json))
         return
-    import mixed_traffic as mt
-
-    meta = dict(machine={"cpu": cpu_name(), "native_bf16": has_native_bf16(), "python": platform.python_version()},
-                git=mt.git_state(), command=" ".join(sys.argv),
-                args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()})
+    header = stamp(threads=args.num_threads, dtype=args.dtype, model="opt-125m (random weights)",
+                   simulated=args.mode == "sim")
 
     def save(data: dict) -> None:
         if args.json is not None:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps({**data, **meta}, indent=1))
+            write_json(args.json, {**data, "args": vars(args)}, header)
 
     data = run_sim(args) if args.mode == "sim" else run_serve(args, save)
     print("effective throughput (sessions/s at 90% / 60%):", json.dumps(effective(data["results"])))

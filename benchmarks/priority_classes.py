@@ -42,27 +42,25 @@ trace) and keep it small on a 2-core box (~1.5 minutes):
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import subprocess
 import time
 from pathlib import Path
 
 import numpy as np
 
 from apt_serve_ray.bench.driver import replay, replay_simulated
-from apt_serve_ray.bench.plots import plot_attainment
-from apt_serve_ray.bench.simulator import MHA_LAYOUT, CostModel, SimulatedEngine
+from apt_serve_ray.bench.engine_args import PEER_MATCHED, add_engine_args, engine_kwargs
+from apt_serve_ray.bench.plots import plot_attainment, plot_longest_waits
+from apt_serve_ray.bench.report import stamp, write_json
+from apt_serve_ray.bench.simulator import (CPU_OPT125M_KERNELS, CPU_OPT125M_KERNELS_RHO, CostModel, calibrated_cost,
+                                          simulated_engine)
 from apt_serve_ray.bench.slo_metrics import (attainment, effective_throughput, inter_token_gaps_ms, p99_gap_ms,
                                            ttft_ms)
 from apt_serve_ray.bench.workloads import ServiceClass, assign_classes, make_trace, with_rate
 from apt_serve_ray.config import EngineConfig
 from apt_serve_ray.scheduler.policies.apt import AdaptiveScheduler
 
-# What the engine measured for ``apt`` at start on the OPT-125m checkpoint (bf16, one thread, this
-# project's 2-core CPU, C++ attention kernels): docs/benchmarks/policy_simulation.json.
-STORED_COST = CostModel(base_s=0.01055, per_token_s=0.000582, per_context_s=2.96e-06, hidden_context_s=3.32e-06)
-STORED_RHO = 5.31e-05  # seconds per 16-token page per step
+STORED_COST, STORED_RHO = CPU_OPT125M_KERNELS, CPU_OPT125M_KERNELS_RHO  # bench/simulator.py
 DEFAULT_CLASSES = ("interactive:0.3:1000:100:0", "batch:0.7:30000:1000:10")
 POLICIES = ("apt", "apt-1100", "priority", "sarathi", "fcfs")
 WEIGHT_KEYS = {"time": "time_weight", "memory": "memory_weight", "slo": "slo_weight", "priority": "priority_weight",
@@ -104,9 +102,8 @@ def run_simulated(name: str, trace, args, cost: CostModel, rho: float):
     config = EngineConfig(policy="apt" if options is not None else name, policy_options=options,
                           calibrate_rho=False, enable_watermarks=False, cache_ratio=0.0, swap_space=args.swap_space,
                           max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
-    policy = None if options is None else AdaptiveScheduler(**options, config=config, rho=rho, step_model=cost)
-    sim = SimulatedEngine(config, layout=MHA_LAYOUT, num_pages=args.num_pages, cost=cost, policy=policy,
-                          max_model_len=args.max_model_len)
+    sim = simulated_engine(config, cost=cost, rho=rho, num_pages=args.num_pages, max_model_len=args.max_model_len,
+                           apt_options=options)
     return replay_simulated(sim, trace), sim.scheduler.policy
 
 
@@ -119,12 +116,9 @@ class RealRunner:
         self.engines = {}
         for name in args.policies:
             options = policy_options(name, args)
-            self.engines[name] = LLM(
-                path, policy="apt" if options is not None else name, policy_options=options,
-                calibrate_rho=options is not None, dtype="bfloat16", num_threads=args.threads,
-                num_pages=args.num_pages, max_model_len=args.max_model_len, cache_ratio=0.0,
-                max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                enable_watermarks=False)
+            self.engines[name] = LLM(path, **engine_kwargs(
+                args, policy="apt" if options is not None else name, policy_options=options,
+                calibrate_rho=options is not None, dtype="bfloat16", cache_ratio=0.0, enable_watermarks=False))
 
     def __call__(self, name: str, trace, args):
         llm = self.engines[name]
@@ -267,43 +261,9 @@ def plots(workload: str, report: dict, classes, out_dir: Path, tag: str) -> list
         plot_attainment(points, path, title=f"{workload}-like, class {c.name} (TTFT {c.ttft_slo_ms / 1e3:g} s, "
                                             f"P99 gap {c.tbt_slo_ms:g} ms, priority {c.priority})")
         paths.append(str(path))
-    paths.append(str(plot_waits(workload, report, classes, out_dir / f"longest_wait_{workload}{tag}.png")))
+    paths.append(str(plot_longest_waits(report["runs"], classes, out_dir / f"longest_wait_{workload}{tag}.png",
+                                        title=f"{workload}-like: longest wait for a first token or between two tokens")))
     return paths
-
-
-def plot_waits(workload: str, report: dict, classes, path: Path) -> Path:
-    """Longest pending time per class vs rate, one line per policy, ``max_wait_time`` dotted."""
-    import matplotlib.pyplot as plt  # plots.py has set the Agg backend
-
-    fig, axes = plt.subplots(1, len(classes), figsize=(5.2 * len(classes), 4), squeeze=False)
-    for ax, c in zip(axes[0], classes):
-        for name, runs in report["runs"].items():
-            pts = sorted((float(r), p["classes"][c.name]["max_pending_s"]) for r, p in runs.items())
-            ax.plot([r for r, _ in pts], [w for _, w in pts], marker="o", label=name)
-        bound = next(iter(report["runs"].get("apt", {}).values()), {}).get("max_wait_time_s")
-        if bound:
-            ax.axhline(bound, color="grey", linestyle=":", linewidth=1, label=f"apt max_wait_time {bound:g} s")
-        ax.set_yscale("log")
-        ax.set_xlabel("request rate (req/s)")
-        ax.set_ylabel("longest pending time (s)")
-        ax.set_title(f"class {c.name}")
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=8)
-    fig.suptitle(f"{workload}-like: longest wait for a first token or between two tokens")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def calibrated(path: str) -> tuple[CostModel, float]:
-    """The step-time model and rho the engine measures at start for ``apt`` on this checkpoint."""
-    from apt_serve_ray import LLM
-
-    llm = LLM(path, policy="apt", calibrate_rho=True, dtype="bfloat16", num_threads=1)
-    costs = llm.llm_engine.scheduler.policy.costs
-    st = costs.step_time
-    return CostModel(st.a, st.b, st.c, st.hidden_seconds_per_token), float(costs.rho or 0.0)
 
 
 def main(argv=None) -> int:
@@ -323,18 +283,13 @@ def main(argv=None) -> int:
     p.add_argument("--rates-longbench", type=float, nargs="+", default=None)
     p.add_argument("--num-requests", type=int, default=150)
     p.add_argument("--max-output-len", type=int, default=None)
-    p.add_argument("--num-pages", type=int, default=378)
-    p.add_argument("--swap-space", type=float, default=EngineConfig.swap_space,
-                   help="GiB of the tier below memory (0: no tier, preemptions recompute; default: the engine's)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-model-len", type=int, default=2048)
+    add_engine_args(p, "num_pages", "swap_space", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
+                    "num_threads", **PEER_MATCHED)
     p.add_argument("--reference-max-wait", type=float, default=AdaptiveScheduler().max_wait_time,
                    help="the bound checked for policies without max_wait_time (apt's default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--calibrate", default=None, help="checkpoint to measure the cost model on (default: stored)")
     p.add_argument("--real", default=None, metavar="CHECKPOINT", help="run on the real engine instead")
-    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--timeout-s", type=float, default=300.0, help="--real: after the last arrival")
     p.add_argument("--out-dir", type=Path, default=Path("docs/benchmarks/priority"))
     p.add_argument("--tag", default="", help="suffix of the plot names")
@@ -345,10 +300,10 @@ def main(argv=None) -> int:
 
     if args.real:
         run = RealRunner(args.real, args)
-        mode = f"real engine ({args.real}, bf16, {args.threads} thread(s), real time)"
+        mode = f"real engine ({args.real}, bf16, {args.num_threads} thread(s), real time)"
         cost_info = None
     else:
-        cost, rho = calibrated(args.calibrate) if args.calibrate else (STORED_COST, STORED_RHO)
+        cost, rho = calibrated_cost(args.calibrate) if args.calibrate else (STORED_COST, STORED_RHO)
         run = lambda name, trace, a: run_simulated(name, trace, a, cost, rho)  # noqa: E731
         mode = "simulator (SimulatedEngine: real scheduler and policies, cost-model step times, simulated clock)"
         cost_info = {"cost_model": vars(cost), "rho": rho, "calibrated_on": args.calibrate or "stored"}
@@ -362,8 +317,10 @@ def main(argv=None) -> int:
               f"max_wait_time {policy.max_wait_time:g} s" + (" (the tree's defaults)" if name == "apt"
                                                              and not args.apt_weights else ""))
 
+    header = stamp(threads=args.num_threads if args.real else None, dtype="bfloat16" if args.real else None,
+                   model=args.real or "simulated OPT-125m layout", simulated=not args.real)
     results: dict = {"mode": mode, "classes": [vars(c) for c in classes], "cost": cost_info,
-                     "args": {k: str(v) for k, v in vars(args).items()}, "git": _git_head(), "workloads": {}}
+                     "args": {k: str(v) for k, v in vars(args).items()}, "workloads": {}}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for workload in args.workloads:
         report = run_workload(workload, classes, run, args)
@@ -379,25 +336,8 @@ def main(argv=None) -> int:
     results["wall_s"] = time.monotonic() - started
     print(f"wall time {results['wall_s']:.0f} s")
     if args.json:
-        args.json.write_text(json.dumps(_finite(results), indent=2, default=str) + "\n")
+        write_json(args.json, results, header, indent=2)
     return 0
-
-
-def _finite(value):
-    """Infinite waits (a request that never got a token) as null: strict JSON has no Infinity."""
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return None if isinstance(value, float) and math.isinf(value) else value
-
-
-def _git_head() -> str:
-    try:
-        git = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True)
-        return git.stdout.strip()
-    except OSError:
-        return "unknown"
 
 
 if __name__ == "__main__":

@@ -16,23 +16,19 @@ times; the engine measures both costs as it runs and ``apt`` prices them into it
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from grammar_mask import SCHEMA  # noqa: E402
-
-from apt_serve_ray.bench.report import machine_header  # noqa: E402
-from apt_serve_ray.models.loader import DEFAULT_MODEL, load_tokenizer, resolve_model  # noqa: E402
-from apt_serve_ray.request import Request  # noqa: E402
-from apt_serve_ray.sampling.sampler import Sampler  # noqa: E402
-from apt_serve_ray.sampling.params import SamplingParams  # noqa: E402
-from apt_serve_ray.sampling.structured import StructuredOutput, StructuredOutputs  # noqa: E402
+from apt_serve_ray.bench.engine_args import ONE_THREAD, add_engine_args
+from apt_serve_ray.bench.report import stamp, write_json
+from apt_serve_ray.bench.workloads import JSON_SCHEMA as SCHEMA
+from apt_serve_ray.models.loader import DEFAULT_MODEL, load_tokenizer, resolve_model
+from apt_serve_ray.request import Request
+from apt_serve_ray.sampling.sampler import Sampler
+from apt_serve_ray.sampling.params import SamplingParams
+from apt_serve_ray.sampling.structured import StructuredOutput, StructuredOutputs
 
 SETTINGS = {
     "plain": {},
@@ -60,10 +56,10 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", nargs="+", type=int, default=[1, 32])
     p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--threads", type=int, default=1)
+    add_engine_args(p, "num_threads", num_threads=ONE_THREAD)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.num_threads)
     tokenizer = load_tokenizer(resolve_model(DEFAULT_MODEL))
     vocab = len(tokenizer)
     gen = torch.Generator().manual_seed(0)
@@ -92,8 +88,8 @@ def main(argv=None) -> None:
             print(f"batch {batch:3d}  {setting:20s} {best[setting] * 1e3:8.3f} ms a step  "
                   f"{extra:+9.1f} us a row-token over plain")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({**machine_header(threads=args.threads, vocab=vocab), "rows": rows}, indent=1))
+        header = stamp(threads=args.num_threads, dtype="float32", model=DEFAULT_MODEL, simulated=False, vocab=vocab)
+        write_json(args.json, {"rows": rows}, header)
         print(f"wrote {args.json}")
 
 

@@ -44,7 +44,8 @@ from pathlib import Path
 
 import numpy as np
 
-from apt_serve_ray.bench.report import machine_header
+from apt_serve_ray.bench.engine_args import Default, add_engine_args
+from apt_serve_ray.bench.report import stamp, write_json
 from apt_serve_ray.bench.simulator import SimulatedEngine
 from apt_serve_ray.config import EngineConfig
 from apt_serve_ray.scheduler.costs import StepCosts
@@ -170,15 +171,10 @@ def main() -> None:
     parser.add_argument("--rho-s-per-page", type=float, default=4e-5, help="recompute cost of one page in seconds")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--full-steps", type=int, default=20, help="engine steps whose decision is timed (0: skip)")
-    parser.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs,
-                        help="the engine's batch limit for the full decision")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
-                        help="its token budget")
+    add_engine_args(parser, "max_num_seqs", "max_num_batched_tokens", "cache_ratio", "cache_kinds",
+                    cache_ratio=Default(1.0, "no ceiling binds (0: KV only, apt then prices one kind); "
+                                             "int8 kinds cost rho / 20"))
     parser.add_argument("--all-run", action="store_true", help="also time the decision with no batch limit")
-    parser.add_argument("--cache-ratio", type=float, default=1.0,
-                        help="ceiling of compressed pages (1: none binds; 0: KV only, apt then prices one kind)")
-    parser.add_argument("--cache-kinds", nargs="+", default=["hidden"],
-                        help="compressed kinds offered (hidden, kv-int8, hidden-int8; int8 costs: rho / 20)")
     parser.add_argument("--profile", type=int, default=None, metavar="N",
                         help="profile the decisions of --full-steps steps at N candidates and print the top functions")
     parser.add_argument("--policy-options", type=json.loads, default={},
@@ -228,9 +224,9 @@ def main() -> None:
         print(line, flush=True)
         results.append(row)
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            **machine_header(simulated=True, note="the real scheduler, pool and policy on the simulator's engine"),
+        header = stamp(threads=None, dtype=None, model=None, simulated=True,
+                       note="the real scheduler, pool and policy on the simulator's engine")
+        write_json(args.json, {
             "what": {
                 "score_greedy_ms": "median ms of ValueWeights.value + urgency + greedy_select on numpy arrays",
                 "full_decision_ms": "median ms of all of Scheduler.schedule() with apt (schedule_time_s) over "
@@ -244,7 +240,7 @@ def main() -> None:
                        "cache_ratio": args.cache_ratio, "cache_kinds": args.cache_kinds,
                        "rho_s_per_page": args.rho_s_per_page, "repeats": args.repeats,
                        "full_steps": args.full_steps, "seed": args.seed},
-            "results": results, "paper_ms": PAPER_MS}, indent=2) + "\n")
+            "results": results, "paper_ms": PAPER_MS}, header, indent=2)
 
 
 if __name__ == "__main__":

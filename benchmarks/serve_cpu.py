@@ -13,15 +13,11 @@ Prints, per role, CPU seconds over the window and the share of one core, and the
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from apt_serve_ray.bench.report import machine_header  # noqa: E402
+from apt_serve_ray.bench.report import stamp, write_json
 
 # (role, substring of the command line), first match wins.
 ROLES = (
@@ -95,11 +91,9 @@ def main(argv=None) -> None:
             continue
         print(f"{role:24s} {cpu_s:7.1f} {cpu_s / wall:6.2f}  {dict(sorted(cores.get(role, {}).items()))}")
     print(f"{'all':24s} {total:7.1f} {total / wall:6.2f}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({**machine_header(seconds=wall), "cpu_s": dict(rows),
-                                         "cores": {r: {str(k): v for k, v in c.items()} for r, c in cores.items()}},
-                                        indent=1))
+    if args.json:  # what served is not known here: the load's own JSON says it
+        write_json(args.json, {"cpu_s": dict(rows), "cores": cores},
+                   stamp(threads=None, dtype=None, model=None, simulated=False, seconds=wall))
 
 
 if __name__ == "__main__":

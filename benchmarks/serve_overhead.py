@@ -22,15 +22,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import socket
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from apt_serve_ray.bench.engine_args import Default, add_engine_args, engine_kwargs
+from apt_serve_ray.bench.http_client import feed_sse
+from apt_serve_ray.bench.report import stamp, write_json
+from apt_serve_ray.bench.servers import local_serve, process_tree_rss
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
@@ -40,17 +40,17 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=20)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--num-threads", type=int, default=2)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--num-pages", type=int, default=512)
+    add_engine_args(p, "num_threads", "dtype", "num_pages",
+                    num_threads=Default(2, "both cores of the box this was measured on, as serve_config.yaml"),
+                    dtype=Default("float32", "the figures in docs/serving.md were taken in float32 first"),
+                    num_pages=Default(512, "room for every request: this measures transport, not memory"))
     p.add_argument("--num-cpus", type=int, default=2, help="CPUs of the local Ray instance")
     p.add_argument("--json", help="also write the results to this file")
     return p.parse_args()
 
 
 def app_args(a: argparse.Namespace) -> dict:
-    return {"model": a.model, "num_replicas": 1, "num_cpus_per_replica": 1, "num_threads": a.num_threads,
-            "dtype": a.dtype, "num_pages": a.num_pages, "max_num_seqs": 16}
+    return {"model": a.model, "num_replicas": 1, "num_cpus_per_replica": 1, **engine_kwargs(a), "max_num_seqs": 16}
 
 
 def prompts(a: argparse.Namespace, vocab: int) -> list[list[int]]:
@@ -125,9 +125,16 @@ def _time_chunks(chunks) -> tuple[float, list[float], int]:
 def _sse_chunks(client, body):
     with client.stream("POST", "/v1/completions", json=body) as r:
         r.raise_for_status()
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                yield json.loads(line[6:])
+        pending = b""
+        for data in r.iter_bytes():
+            events, pending = feed_sse(pending, data)
+            for event in events:
+                if event.error is not None:
+                    raise RuntimeError(event.error)
+                if not event.is_done:
+                    yield {"choices": [{"text": event.text}] if event.text else [],
+                           "usage": {"completion_tokens": event.completion_tokens}
+                           if event.completion_tokens is not None else None}
 
 
 def http_request(a, client, prompt):
@@ -157,28 +164,6 @@ def engine_handle_request(a, handle, prompt):
     return start, arrivals, n, last.engine_ttft_s
 
 
-def ray_processes() -> dict[str, float]:
-    """RSS (MiB) of this process's descendants (the Ray instance it started), by role."""
-    children: dict[int, list[int]] = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            ppid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(pid))
-    stack, out = list(children.get(os.getpid(), [])), {}
-    while stack:
-        pid = stack.pop()
-        stack += children.get(pid, [])
-        try:
-            name = open(f"/proc/{pid}/cmdline").read().replace("\0", " ").strip()[:70] or f"pid {pid}"
-            rss_kb = next(int(line.split()[1]) for line in open(f"/proc/{pid}/status") if line.startswith("VmRSS"))
-        except (OSError, StopIteration):
-            continue
-        out[name] = out.get(name, 0.0) + rss_kb / 1024
-    return out
-
-
 def main() -> None:
     a = parse_args()
     from deployments.app import AppArgs, build_app
@@ -193,35 +178,28 @@ def main() -> None:
     in_process = InProcess(a, config)
 
     import httpx
-    import ray
     from ray import serve
 
-    ray.init(address="local", num_cpus=a.num_cpus, include_dashboard=False, log_to_driver=False)
     try:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(args), name="overhead", route_prefix="/")
-        app_handle = serve.get_app_handle("overhead")
-        engine = serve.get_deployment_handle("EngineReplica", "overhead")
-        timelines = {name: Timeline() for name in ("in_process", "serve_http", "serve_handle", "engine_handle")}
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300) as client:
-            paths = {"in_process": in_process, "serve_http": lambda p: http_request(a, client, p),
-                     "serve_handle": lambda p: app_handle_request(a, app_handle, p),
-                     "engine_handle": lambda p: engine_handle_request(a, engine, p)}
-            for i, prompt in enumerate(requests):
-                for name, path in paths.items():
-                    start, arrivals, n, *engine_ttft = path(prompt)
-                    if i >= 2:  # the first two warm up
-                        timelines[name].record(start, arrivals, n)
-                        timelines[name].engine_ttft += engine_ttft
-        results = {name: t.summary() for name, t in timelines.items()}
-        memory = ray_processes()
+        with local_serve(a.num_cpus) as port:
+            serve.run(build_app(args), name="overhead", route_prefix="/")
+            app_handle = serve.get_app_handle("overhead")
+            engine = serve.get_deployment_handle("EngineReplica", "overhead")
+            timelines = {name: Timeline() for name in ("in_process", "serve_http", "serve_handle", "engine_handle")}
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300) as client:
+                paths = {"in_process": in_process, "serve_http": lambda p: http_request(a, client, p),
+                         "serve_handle": lambda p: app_handle_request(a, app_handle, p),
+                         "engine_handle": lambda p: engine_handle_request(a, engine, p)}
+                for i, prompt in enumerate(requests):
+                    for name, path in paths.items():
+                        start, arrivals, n, *engine_ttft = path(prompt)
+                        if i >= 2:  # the first two warm up
+                            timelines[name].record(start, arrivals, n)
+                            timelines[name].engine_ttft += engine_ttft
+            results = {name: t.summary() for name, t in timelines.items()}
+            memory = process_tree_rss(os.getpid(), include_root=False)  # the Ray instance this process started
     finally:
         in_process.close()
-        serve.shutdown()
-        ray.shutdown()
 
     base = results["in_process"]
     print(f"\n{'path':<14}{'TTFT mean':>11}{'median':>9}{'p99':>9}{'gap mean':>10}{'median':>9}{'p99':>9}"
@@ -245,7 +223,8 @@ def main() -> None:
     print(f"  {app:8.1f}  = the app's replicas;  {sum(memory.values()):.1f} = the whole Ray instance")
     results["rss_mib"] = memory
     if a.json:
-        Path(a.json).write_text(json.dumps(results, indent=2))
+        header = stamp(threads=a.num_threads, dtype=a.dtype, model=a.model, simulated=False)
+        write_json(a.json, results, header, indent=2)
 
 
 if __name__ == "__main__":

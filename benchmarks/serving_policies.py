@@ -57,28 +57,23 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from apt_serve_ray import LLM
-from apt_serve_ray.worker import cpu_info
 from apt_serve_ray.bench import plots
 from apt_serve_ray.bench.driver import measure_unloaded_latency, replay, replay_simulated
-from apt_serve_ray.bench.simulator import MHA_LAYOUT, CostModel, SimulatedEngine
-from apt_serve_ray.bench.slo_metrics import effective_throughput, format_ratio
+from apt_serve_ray.bench.engine_args import PEER_MATCHED, Default, add_cache_dir, add_engine_args, engine_kwargs, \
+    random_checkpoint
+from apt_serve_ray.bench.report import stamp, write_json
+from apt_serve_ray.bench.servers import REPO
+from apt_serve_ray.bench.simulator import CPU_OPT125M, CPU_OPT125M_RHO, simulated_engine
+from apt_serve_ray.bench.slo_metrics import effective_at, format_ratio, mean_by_rate
 from apt_serve_ray.bench.workloads import make_trace, with_rate
-from apt_serve_ray.models.checkpoints import make_random_checkpoint
 from apt_serve_ray.config import EngineConfig
-from apt_serve_ray.scheduler.policies.apt import AdaptiveScheduler
-
-_DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "apt-serve-ray"
-_REPO = Path(__file__).resolve().parent.parent
 DEFAULT_POLICIES = ("fcfs", "sarathi", "priority", "apt", "apt-kv")
 
 
@@ -115,10 +110,8 @@ def policy_of(name: str) -> str:
 
 def build_engine(name: str, path: str, args) -> LLM:
     is_apt = name.startswith("apt")
-    return LLM(path, policy=policy_of(name), calibrate_rho=is_apt, dtype=args.dtype,
-               num_pages=args.num_pages, max_model_len=args.max_model_len,
-               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-               num_threads=args.threads, enable_watermarks=False, **cache_options(name))
+    return LLM(path, **engine_kwargs(args, policy=policy_of(name), calibrate_rho=is_apt, enable_watermarks=False,
+                                     **cache_options(name)))
 
 
 class EngineRunner:
@@ -148,11 +141,7 @@ class EngineRunner:
                                                       "hidden_s_per_token": m.hidden_seconds_per_token}}
 
 
-# The cost model calibrated for this shape on this project's 2-core CPU machines, 1 thread, bf16
-# (benchmarks/policy_simulation.py, docs/benchmarks.md): per step, per computed token, per context
-# token, per hidden context token; rho from benchmarks/hidden_cache_cost.py.
-SIM_COST = CostModel(base_s=0.0195, per_token_s=0.00113, per_context_s=0.000015, hidden_context_s=0.000139)
-SIM_RHO = 0.00222
+SIM_COST, SIM_RHO = CPU_OPT125M, CPU_OPT125M_RHO  # bench/simulator.py: calibrated here, 1 thread, bf16
 
 
 class SimulatedRunner:
@@ -169,9 +158,8 @@ class SimulatedRunner:
         config = EngineConfig(policy=policy_of(name), calibrate_rho=False, enable_watermarks=False,
                               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                               **cache_options(name))
-        policy = AdaptiveScheduler(config=config, rho=SIM_RHO, step_model=SIM_COST) if is_apt else None
-        sim = SimulatedEngine(config, layout=MHA_LAYOUT, num_pages=args.num_pages, cost=SIM_COST, policy=policy,
-                              max_model_len=args.max_model_len)
+        sim = simulated_engine(config, cost=SIM_COST, rho=SIM_RHO, num_pages=args.num_pages,
+                               max_model_len=args.max_model_len)
         return replay_simulated(sim, trace, ttft_slo_ms=slo["ttft_ms"], tbt_slo_ms=slo["tbt_ms"])
 
     def calibration(self) -> dict | None:
@@ -218,21 +206,12 @@ def run_workload(workload: str, runners: dict, args) -> dict:
                 _print_run(rate, name, s, time.perf_counter() - t)
     eff, attainment = {}, {}
     for name in policies:
-        attainment[name] = _mean_attainment(runs[name])
-        eff[name] = {"90": effective_throughput(attainment[name], 0.9),
-                     "60": effective_throughput(attainment[name], 0.6)}
+        attainment[name] = mean_by_rate(runs[name], lambda r: r["summary"]["slo_attainment"])
+        eff[name] = effective_at(attainment[name])
     _plots(workload, attainment, results, rates, slo, args)
     return {"slo": slo, "rates": rates, "effective_throughput": eff, "attainment": attainment, "runs": runs,
             "trace": {"num_requests": len(base), "prompt_lens": [r.prompt_len for r in base],
                       "output_lens": [r.output_len for r in base]}}
-
-
-def _mean_attainment(runs: list[dict]) -> list[tuple[float, float]]:
-    """(rate, attainment averaged over the repeats at that rate), by rate."""
-    by_rate: dict[float, list[float]] = {}
-    for r in runs:
-        by_rate.setdefault(r["rate"], []).append(r["summary"]["slo_attainment"])
-    return [(rate, statistics.mean(v)) for rate, v in sorted(by_rate.items())]
 
 
 def _print_run(rate: float, name: str, s: dict, wall_s: float) -> None:
@@ -275,15 +254,6 @@ def print_table(report: dict) -> None:
                     f"@{t}%: {format_ratio(eff[apt][t], eff[base][t])}" for t in ("90", "60")))
 
 
-def _git_state() -> dict:
-    def git(*cmd):
-        try:
-            return subprocess.run(["git", *cmd], cwd=_REPO, capture_output=True, text=True, timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-    return {"commit": git("rev-parse", "HEAD"), "dirty": git("status", "--porcelain", "--", "apt_serve_ray").splitlines()}
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="10-12 requests x 3 rates, max_model_len 512, short outputs")
@@ -292,14 +262,9 @@ def main(argv=None) -> int:
                     help=f"any of {' '.join(DEFAULT_POLICIES)} (default all)")
     ap.add_argument("--rates", type=float, nargs="+", default=None, help="req/s (default: per workload and mode)")
     ap.add_argument("--num-requests", type=int, default=None)
-    ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--max-output-len", type=int, default=None)
-    ap.add_argument("--num-pages", type=int, default=None, help="pages of 16 tokens (default 378; quick 189)")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
-    ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads")
-    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
-                    help="engine dtype (auto: bfloat16 on CPUs with native bf16, else float32, as the engine picks)")
+    per_mode = "per mode (MODES): 378 pages and 1024 tokens, --quick 189 and 512: memory binds at either size"
+    add_engine_args(ap, **{**PEER_MATCHED, "num_pages": Default(None, per_mode), "max_model_len": Default(None, per_mode)})
     ap.add_argument("--cv", type=float, default=1.0, help="arrival burstiness (1 = Poisson)")
     ap.add_argument("--repeats", type=int, default=1, help="runs per (rate, policy); attainment is their mean")
     ap.add_argument("--seed", type=int, default=0)
@@ -307,8 +272,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tbt-slo-ms", type=float, default=1000.0)
     ap.add_argument("--slo-scale", type=float, default=None, help="SLO = scale x unloaded TTFT / TPOT (overrides ms)")
     ap.add_argument("--timeout-s", type=float, default=300.0, help="per run, after the last arrival")
-    ap.add_argument("--cache-dir", type=Path, default=_DEFAULT_CACHE)
-    ap.add_argument("--out-dir", type=Path, default=_REPO / "docs" / "benchmarks")
+    add_cache_dir(ap)
+    ap.add_argument("--out-dir", type=Path, default=REPO / "docs" / "benchmarks")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--simulate", action="store_true",
@@ -330,17 +295,18 @@ def main(argv=None) -> int:
     if args.simulate:
         runners = {name: SimulatedRunner(name, args) for name in args.policies}
     else:
-        path = make_random_checkpoint(args.cache_dir / "opt-125m-bf16", "opt-125m", dtype="bfloat16")
+        path = random_checkpoint("opt-125m", args.cache_dir)
         runners = {name: EngineRunner(name, path, args) for name in args.policies}
     calibration = {name: c for name, r in runners.items() if (c := r.calibration()) is not None}
     print(f"{'simulated' if args.simulate else 'engines'} ready in {time.perf_counter() - start:.0f}s: "
           f"{list(runners)}; rho (ms/page) "
           + ", ".join(f"{n} {1000 * c['rho_s_per_page']:.2f}" for n, c in calibration.items()), flush=True)
     args.out_dir.mkdir(parents=True, exist_ok=True)
+    header = stamp(threads=args.num_threads, dtype=args.dtype, model="opt-125m (random weights)",
+                   simulated=args.simulate)
     report = {
         "command": " ".join(["benchmarks/serving_policies.py"] + (argv if argv is not None else sys.argv[1:])),
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "git": _git_state(), "cpu": cpu_info.cpu_name(), "native_bf16": cpu_info.has_native_bf16(),
+        "config": vars(args), "cpu": header["machine"]["cpu"], "native_bf16": header["machine"]["native_bf16"],
         "calibration": calibration, "workloads": {},
     }
     for workload in args.workloads:
@@ -350,8 +316,7 @@ def main(argv=None) -> int:
     print_table(report)
     print(f"\ntotal {report['wall_s']:.0f}s; plots in {args.out_dir}")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1, default=str))
+        write_json(args.json, report, header)
     return 0
 
 

@@ -13,20 +13,14 @@ first minute after a start, before any slowdown has been observed.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from apt_serve_ray.bench.report import machine_header  # noqa: E402
-from apt_serve_ray.worker.calibration import _fake_request, step_time_model  # noqa: E402
-from apt_serve_ray.request import CacheKind  # noqa: E402
-from apt_serve_ray.scheduler.costs import chunk_pairs  # noqa: E402
-from apt_serve_ray.scheduler.output import ScheduledChunk, SchedulerOutput  # noqa: E402
+from apt_serve_ray.bench.engine_args import ONE_THREAD, Default, add_engine_args, random_checkpoint
+from apt_serve_ray.bench.report import stamp, write_json
+from apt_serve_ray.bench.steps import fake_step, time_steps
+from apt_serve_ray.scheduler.costs import chunk_pairs
 
 
 def held_out_shapes(rng: np.random.Generator, num: int, budget: int, max_len: int) -> list[tuple[str, list]]:
@@ -43,23 +37,6 @@ def held_out_shapes(rng: np.random.Generator, num: int, budget: int, max_len: in
     return shapes
 
 
-def time_step(runner, shape, repeats: int) -> float:
-    layout, vocab = runner.layout, runner.model.shape.vocab_size
-    requests, next_page = [], 0
-    for i, (ctx, new) in enumerate(shape):
-        num = layout.num_pages_for(ctx, CacheKind.KV)
-        requests.append(_fake_request(i, ctx, new, vocab, list(range(next_page, next_page + num)), CacheKind.KV))
-        next_page += num
-    out = SchedulerOutput([ScheduledChunk(r, new) for r, (_, new) in zip(requests, shape)])
-    runner.execute(out)
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        runner.execute(out)
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
-
-
 def features(shape) -> tuple[int, int, int, int]:
     return (sum(n for _, n in shape), sum(c for c, _ in shape), 0, sum(chunk_pairs(c - n, n) for c, n in shape))
 
@@ -67,8 +44,8 @@ def features(shape) -> tuple[int, int, int, int]:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint (default: the random bf16 OPT-125m)")
-    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
-    p.add_argument("--threads", type=int, default=1)
+    add_engine_args(p, "dtype", "num_threads", num_threads=ONE_THREAD,
+                    dtype=Default("bfloat16", "the dtype the docs' fit was measured in", ("float32", "bfloat16")))
     p.add_argument("--num", type=int, default=20, help="held-out steps of each kind")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
@@ -78,20 +55,20 @@ def main(argv=None) -> None:
     import torch
 
     from apt_serve_ray import LLM
-    from apt_serve_ray.models.checkpoints import make_random_checkpoint
+    from apt_serve_ray.worker.calibration import step_time_model
 
-    torch.set_num_threads(args.threads)
-    cache = Path.home() / ".cache" / "apt-serve-ray"
-    model = args.model or make_random_checkpoint(cache / "opt-125m-bf16", "opt-125m", dtype="bfloat16")
-    llm = LLM(str(model), dtype=args.dtype, num_pages=4096, num_threads=args.threads, calibrate_rho=False,
+    torch.set_num_threads(args.num_threads)
+    model = args.model or random_checkpoint("opt-125m")
+    llm = LLM(str(model), dtype=args.dtype, num_pages=4096, num_threads=args.num_threads, calibrate_rho=False,
               max_model_len=2048)
     runner = llm.llm_engine.runner
     fits = {"without mixed steps": step_time_model(runner),
             "with mixed steps": step_time_model(runner, mixed=((384, 0, 8, 256), (256, 768, 16, 512), (448, 256, 32, 128)))}
     shapes = held_out_shapes(np.random.default_rng(args.seed), args.num, 512, 2048)
-    measured = [time_step(runner, s, args.repeats) for _, s in shapes]
-    result = {**machine_header(dtype=args.dtype, threads=args.threads, model=str(model), held_out=len(shapes)),
-              "fits": {}}
+    measured = [time_steps(runner, fake_step(runner, s), args.repeats, reduce=np.median) for _, s in shapes]
+    header = stamp(threads=args.num_threads, dtype=args.dtype, model=str(model), simulated=False,
+                   held_out=len(shapes))
+    result = {"fits": {}}
     print(f"{'fit':22s} {'kind':8s} {'n':>3s} {'median':>7s} {'P90':>6s} {'P99':>6s}   measured / predicted")
     for name, model_fit in fits.items():
         rows = {}
@@ -104,8 +81,7 @@ def main(argv=None) -> None:
         result["fits"][name] = {"coefficients": [model_fit.a, model_fit.b, model_fit.c, model_fit.d],
                                 "r2": model_fit.r2, "calibration_s": model_fit.wall_s, "ratios": rows}
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
+        write_json(args.json, result, header)
         print(f"wrote {args.json}")
 
 

@@ -21,17 +21,17 @@ Timings are the fastest of a few repeats (interference from other processes only
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
 
 from apt_serve_ray import LLM
-from apt_serve_ray.worker.calibration import _fake_request, calibrate_rho, step_time_model
-from apt_serve_ray.models.checkpoints import make_random_checkpoint
+from apt_serve_ray.bench.engine_args import ONE_THREAD, add_cache_dir, add_engine_args, random_checkpoint
+from apt_serve_ray.bench.report import stamp, write_json
+from apt_serve_ray.bench.steps import fake_step, time_steps
+from apt_serve_ray.worker.calibration import calibrate_rho, step_time_model
 from apt_serve_ray.request import CacheKind
-from apt_serve_ray.scheduler.output import ScheduledChunk, SchedulerOutput
 
 CONTEXT = 512  # tokens recomputed / pages moved in the direct comparison (32 pages of 16 tokens)
 
@@ -59,25 +59,17 @@ def _time_transfer(swap, storage, pages: list[int], repeats: int) -> dict:
 
 
 def _time_prefill(engine, n: int, repeats: int) -> float:
-    runner, lay = engine.runner, engine.layout
+    lay = engine.layout
     pages = engine.cache.pool.allocate(lay.num_pages_for(n, CacheKind.KV), CacheKind.KV, "__bench__")
     try:
-        r = _fake_request(0, n, n, runner.vocab_size, pages, CacheKind.KV)
-        out = SchedulerOutput([ScheduledChunk(r, n)])
-        runner.execute(out)
-        best = float("inf")
-        for _ in range(repeats):
-            t = time.perf_counter()
-            runner.execute(out)
-            best = min(best, time.perf_counter() - t)
+        return time_steps(engine.runner, fake_step(engine.runner, [(n, n)], CacheKind.KV, pages), repeats)
     finally:
         engine.cache.pool.free(pages, "__bench__")
-    return best
 
 
 def measure(path: str, dtype: str, args) -> dict:
     llm = LLM(path, dtype=dtype, num_pages=512, swap_space=1.0, swap_dir=args.swap_dir,
-              max_num_batched_tokens=4096, num_threads=args.threads, calibrate_rho=False)
+              max_num_batched_tokens=4096, num_threads=args.num_threads, calibrate_rho=False)
     engine = llm.llm_engine
     swap, storage, lay = engine.swap, engine.runner.storage, engine.layout
     start = swap.transfer
@@ -102,14 +94,14 @@ def measure(path: str, dtype: str, args) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "apt-serve-ray")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (the cores are shared: 1 is steadier)")
+    add_cache_dir(ap)
+    add_engine_args(ap, "num_threads", num_threads=ONE_THREAD)
     ap.add_argument("--swap-dir", default=None, help="where the tier's file goes (default: the temp dir)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    path = make_random_checkpoint(args.cache_dir / "opt-125m-bf16", "opt-125m", dtype="bfloat16")
+    torch.set_num_threads(args.num_threads)
+    path = random_checkpoint("opt-125m", args.cache_dir)
     results = []
     for dtype in ("bfloat16", "float32"):
         r = measure(path, dtype, args)
@@ -124,7 +116,9 @@ def main(argv=None) -> None:
             print(f"    {t['pages']:4d} pages: out {t['out_ms_per_page']:.3f} ms/page ({t['out_gb_s']:.2f} GB/s; "
                   f"cold {t['cold_out_ms_per_page']:.3f}), in {t['in_ms_per_page']:.3f} ({t['in_gb_s']:.2f} GB/s)")
     if args.json:
-        args.json.write_text(json.dumps({"threads": args.threads, "results": results}, indent=2))
+        header = stamp(threads=args.num_threads, dtype=["bfloat16", "float32"], model="opt-125m (random weights)",
+                       simulated=False)
+        write_json(args.json, {"threads": args.num_threads, "results": results}, header, indent=2)
 
 
 if __name__ == "__main__":

@@ -154,3 +154,36 @@ def shared_token_share(sessions: list[Session]) -> float:
             extra += len(message) + out
         seen.add(id(s.prefix))
     return shared / total if total else 0.0
+
+
+def replay_simulated(sim, sessions: list[Session]) -> list:
+    """The sessions on the simulated clock: each turn arrives at its time (the first at the session's
+    start, the next a think time after the previous reply), with the history re-sent: the replies are
+    the simulator's one token id repeated, so the history is still the conversation's own. Records as
+    ``http_client.run_sessions`` gives them: ``(session, turn, timeline, cached tokens)``."""
+    from apt_serve_ray.bench.simulator import OUTPUT_TOKEN_ID as reply_token
+    from apt_serve_ray.bench.slo_metrics import RequestTimeline as Timeline
+
+    pending = sorted(((s.start_s, s.session_id, s, 0, list(s.prefix)) for s in sessions), key=lambda e: e[:2])
+    live, records = {}, []
+    while pending or live:
+        if not live and pending and pending[0][0] > sim.now:
+            sim.now = pending[0][0]
+        while pending and pending[0][0] <= sim.now:
+            _, _, s, turn, history = pending.pop(0)
+            prompt = history + s.messages[turn]
+            r = sim.add(0, s.output_lens[turn], prompt_token_ids=prompt, ttft_slo_ms=s.service.ttft_slo_ms,
+                        tbt_slo_ms=s.service.tbt_slo_ms, priority=s.service.priority)
+            live[r.request_id] = (s, turn, prompt, r)
+        sim.step()
+        for rid in [rid for rid, (*_, r) in live.items() if r.is_finished]:
+            s, turn, prompt, r = live.pop(rid)
+            t = Timeline(rid, r.arrival_time, r.first_token_time, list(r.token_times), r.finish_time,
+                         len(prompt), len(r.output_token_ids), ttft_slo_ms=s.service.ttft_slo_ms,
+                         tbt_slo_ms=s.service.tbt_slo_ms)
+            records.append((s, turn, t, r.num_cached_tokens or 0))
+            if turn + 1 < s.num_turns:
+                at = sim.now + s.think_s[turn]
+                pending.append((at, s.session_id, s, turn + 1, prompt + [reply_token] * len(r.output_token_ids)))
+                pending.sort(key=lambda e: e[:2])
+    return records

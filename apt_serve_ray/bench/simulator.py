@@ -52,6 +52,41 @@ class CostModel:
         return self.predict(*step_features(chunks))
 
 
+# Cost models measured on this project's 2-core CPU machines for the OPT-125m shape in bf16, one thread,
+# and rho (seconds per 16-token page per step): before the engine's C++ attention kernels
+# (policy_simulation.py's and serving_policies.py's default; rho from hidden_cache_cost.py), and what the
+# engine measured for ``apt`` at start with them (priority_classes.py's; docs/benchmarks/policy_simulation.json).
+CPU_OPT125M = CostModel(base_s=0.0195, per_token_s=0.00113, per_context_s=0.000015, hidden_context_s=0.000139)
+CPU_OPT125M_RHO = 0.00222
+CPU_OPT125M_KERNELS = CostModel(base_s=0.01055, per_token_s=0.000582, per_context_s=2.96e-06, hidden_context_s=3.32e-06)
+CPU_OPT125M_KERNELS_RHO = 5.31e-05
+
+
+def simulated_engine(config, *, cost: CostModel, rho: float, num_pages: int, max_model_len: int = 2048,
+                     layout=None, apt_options: dict | None = None) -> "SimulatedEngine":
+    """A ``SimulatedEngine`` running ``config.policy``; ``apt`` is given ``rho`` and the cost model as
+    its step-time model (what the engine measures at start), and ``apt_options`` as its arguments."""
+    from apt_serve_ray.scheduler.policies.apt import AdaptiveScheduler
+
+    policy = None
+    if config.policy == "apt":
+        policy = AdaptiveScheduler(**(apt_options or {}), config=config, rho=rho, step_model=cost)
+    return SimulatedEngine(config, layout=layout or MHA_LAYOUT, num_pages=num_pages, cost=cost, policy=policy,
+                           max_model_len=max_model_len)
+
+
+def calibrated_cost(path: str, dtype: str = "bfloat16") -> tuple[CostModel, float]:
+    """The step-time model and rho the engine measures at start for ``apt`` on the checkpoint at
+    ``path`` (one thread), as a ``CostModel`` and seconds per page: a simulator calibrated on this machine."""
+    from apt_serve_ray import LLM
+
+    llm = LLM(path, policy="apt", calibrate_rho=True, dtype=dtype, num_threads=1)
+    costs = llm.llm_engine.scheduler.policy.costs
+    st = costs.step_time
+    return CostModel(base_s=st.a, per_token_s=st.b, per_context_s=st.c,
+                     hidden_context_s=st.hidden_seconds_per_token), float(costs.rho or 0.0)
+
+
 # OPT-125m-like geometry (MHA: a hidden page holds 2x the tokens) and a grouped-query one.
 MHA_LAYOUT = CacheLayout(num_layers=12, num_kv_heads=12, head_dim=64, hidden_size=768, block_size=16, dtype_bytes=2)
 GQA_LAYOUT = CacheLayout(num_layers=30, num_kv_heads=3, head_dim=64, hidden_size=576, block_size=16, dtype_bytes=2)

@@ -162,6 +162,20 @@ def effective_throughput(points: list[tuple[float, float]], target: float) -> fl
     return prev_rate
 
 
+def mean_by_rate(runs: list[dict], value) -> list[tuple[float, float]]:
+    """``[(rate, mean of value(run))]`` by rate, over runs (dicts with a ``rate``) at the same rate:
+    repeats or seeds of a sweep."""
+    by_rate: dict[float, list[float]] = {}
+    for run in runs:
+        by_rate.setdefault(run["rate"], []).append(value(run))
+    return [(rate, float(np.mean(v))) for rate, v in sorted(by_rate.items())]
+
+
+def effective_at(points: list[tuple[float, float]], targets: tuple[int, ...] = (90, 60)) -> dict[str, float]:
+    """``{"90": ..., "60": ...}``: effective throughput at each target attainment (percent)."""
+    return {str(t): effective_throughput(points, t / 100) for t in targets}
+
+
 def format_ratio(a: float, b: float) -> str:
     """``a / b`` as "1.23x" for tables of effective throughput ("n/a" where ``b`` is 0)."""
     if b > 0:
@@ -199,3 +213,25 @@ def format_summary(summary: dict, metrics: tuple[str, ...] | list[str] = _METRIC
         row(f"P99 {short} (ms):", summary[f"p99_{name}_ms"])
     lines.append("=" * 50)
     return "\n".join(lines)
+
+
+GOODPUT_KEYS = {"ttft": "ttft_slo_ms", "tpot": "tpot_slo_ms", "e2el": "e2el_slo_ms",
+                "itl": "tbt_slo_ms", "tbt": "tbt_slo_ms"}
+
+
+def parse_goodput(items: list[str]) -> dict[str, float]:
+    """SLO flags as ``vllm bench serve --goodput`` takes them:
+    ``["ttft:4000", "tbt:500"]`` -> ``{"ttft_slo_ms": 4000.0, "tbt_slo_ms": 500.0}``."""
+    slos = {}
+    for item in items:
+        name, _, value = item.partition(":")
+        if name not in GOODPUT_KEYS:
+            raise ValueError(f"--goodput: {name!r} is not one of {sorted(GOODPUT_KEYS)}")
+        try:
+            ms = float(value)
+        except ValueError:
+            raise ValueError(f"--goodput: {item!r} is not NAME:MILLISECONDS") from None
+        if not ms > 0:
+            raise ValueError(f"--goodput: {item!r} needs a value > 0")
+        slos[GOODPUT_KEYS[name]] = ms
+    return slos

@@ -55,12 +55,26 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 _STREAM_LENGTHS, _STREAM_GAPS, _STREAM_TOKENS, _STREAM_CLASSES = range(4)
+# The structured-output requests' schema (grammar_mask.py, sampling_cost.py): nested, bounded, enums.
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "colours": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16}},
+                    "required": ["city"], "additionalProperties": False},
+    },
+    "required": ["name", "age", "colours", "address"],
+    "additionalProperties": False,
+}
 _MIN_TOKEN_ID_MARGIN = 10
 
 
@@ -213,13 +227,33 @@ def fill_token_ids(trace: list[TraceRequest], vocab_size: int, seed: int = 0) ->
     return filled
 
 
-def fresh_token_ids(trace: list[TraceRequest], vocab_size: int, seed: int, rate: float) -> list[TraceRequest]:
+def fresh_key(seed: int, rate: float, run: str = "") -> int:
+    """The key of one run's token ids: ``seed`` and ``rate``, and ``run`` naming runs that share both
+    (several traces at one rate on one server)."""
+    key = int(seed) * 1_000_003 + int(round(float(rate) * 1000))
+    return key + (zlib.crc32(run.encode()) * 1_000_000_007 if run else 0)
+
+
+def fresh_token_ids(trace: list[TraceRequest], vocab_size: int, seed: int, rate: float,
+                    run: str = "") -> list[TraceRequest]:
     """The same requests (lengths, timing, classes) with token ids of their own for this ``seed`` and
     ``rate``: a server that ran another rate or seed before finds none of these prompts in its prefix
-    cache (or a tier below it). Every serving benchmark that runs several rates or seeds on one server
-    sends each through this."""
-    key = int(seed) * 1_000_003 + int(round(float(rate) * 1000))
+    cache (or a tier below it)."""
+    key = fresh_key(seed, rate, run)
     return fill_token_ids([dataclasses.replace(r, prompt_token_ids=None) for r in trace], vocab_size, key)
+
+
+def fresh_ids(items: list, vocab_size: int, seed: int, rate: float, run: str = "") -> list:
+    """The one way a serving benchmark gives each (seed, rate) run prompts of its own, so that nothing a
+    server cached for an earlier run helps this one: trace requests get token ids drawn anew
+    (``fresh_token_ids``); conversations (``bench.conversations.Session``) are relabelled through one
+    permutation of the ids (``conversations.relabel``), which keeps what their prompts share (system
+    prompts, documents, history) shared."""
+    if items and not isinstance(items[0], TraceRequest):
+        from apt_serve_ray.bench.conversations import relabel
+
+        return relabel(items, fresh_key(seed, rate, run), vocab_size)
+    return fresh_token_ids(items, vocab_size, seed, rate, run)
 
 
 def save_trace(trace: list[TraceRequest], path: str | Path) -> None:

@@ -1,8 +1,4 @@
-"""SLO metrics on hand-made request timelines, and the online client's SSE parsing."""
-
-import importlib.util
-import sys
-from pathlib import Path
+"""SLO metrics on hand-made request timelines."""
 
 import pytest
 
@@ -124,44 +120,3 @@ def test_effective_throughput_rejects_bad_input():
         effective_throughput([], 0.9)
     with pytest.raises(ValueError, match="target"):
         effective_throughput(POINTS, 1.5)
-
-
-@pytest.fixture(scope="module")
-def client():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "online_client.py"
-    spec = importlib.util.spec_from_file_location("online_client_under_test", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the module runs
-    spec.loader.exec_module(module)
-    return module
-
-
-STREAM = (
-    'data: {"id":"c1","choices":[{"index":0,"text":"Caf\u00e9"}]}\n\n'
-    'data: {"id":"c1","choices":[{"index":0,"text":" au"}]}\r\n\r\n'
-    ': a keep-alive comment\n\n'
-    'data: {"id":"c1","choices":[{"index":0,"text":"","finish_reason":"length"}]}\n\n'
-    'data: {"id":"c1","choices":[],"usage":{"prompt_tokens":5,"completion_tokens":3}}\n\n'
-    'data: [DONE]\n\n'
-).encode("utf-8")
-
-
-@pytest.mark.parametrize("read_size", [len(STREAM), 7, 1])
-def test_sse_parse_handles_split_reads_usage_and_done(client, read_size):
-    events, pending = [], b""
-    for start in range(0, len(STREAM), read_size):  # reads split events, CRLFs and the 2-byte 'é'
-        new, pending = client.feed_sse(pending, STREAM[start:start + read_size])
-        events.extend(new)
-    assert pending == b""
-    assert [e.text for e in events] == ["Caf\u00e9", " au", "", "", ""]
-    assert events[3].completion_tokens == 3 and events[3].prompt_tokens == 5
-    assert [e.is_done for e in events] == [False, False, False, False, True]
-
-
-def test_sse_error_payload_and_goodput_flags(client):
-    (event,), _ = client.feed_sse(b"", b'data: {"error": {"message": "prompt too long"}}\n\n')
-    assert event.error == "prompt too long"
-    assert client.parse_goodput(["ttft:4000", "itl:500", "tpot:80"]) == {
-        "ttft_slo_ms": 4000.0, "tbt_slo_ms": 500.0, "tpot_slo_ms": 80.0}
-    with pytest.raises(ValueError, match="ttft"):
-        client.parse_goodput(["ttfb:100"])

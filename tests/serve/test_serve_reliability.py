@@ -1,4 +1,5 @@
-"""Reliability through Ray Serve, the fast variants of ``benchmarks/reliability.py``'s scenarios: overload
+"""Reliability through Ray Serve, the fast variants of the scenarios of
+``apt_serve_ray/bench/reliability.py`` (``benchmarks/reliability.py`` runs them whole): overload
 (10x the sustainable rate), streams cut at random points, the controller and a router replica killed
 under load. The promises: the excess is refused with 429/503, ``Retry-After`` and an OpenAI error
 body; every accepted request completes; no request hangs (a stream the killed router held ends with
@@ -25,8 +26,7 @@ APP = "apt-reliability"
 def target(serve_url, opt_tiny):
     from ray import serve
 
-    from benchmarks.reliability import Target, app_args
-    from benchmarks.reliability_load import pages_state
+    from apt_serve_ray.bench.reliability import Target, app_args, pages_state
     from deployments.app import build_app
 
     serve.run(build_app(app_args(opt_tiny, num_routers=2)), name=APP, route_prefix="/")
@@ -36,13 +36,13 @@ def target(serve_url, opt_tiny):
 
 
 def idle(target) -> None:
-    from benchmarks.reliability_load import wait_until_idle
+    from apt_serve_ray.bench.reliability import wait_until_idle
 
     assert asyncio.run(wait_until_idle(target.app, target.base_url, target.headers, 1, timeout_s=60)) is not None
 
 
 def test_overload_refuses_the_excess_and_every_accepted_request_completes(target):
-    from benchmarks.reliability import overload
+    from apt_serve_ray.bench.reliability import overload
 
     result = asyncio.run(overload(target, duration_s=5.0, factor=10.0, calibration_requests=24, bursts=2))
     assert result["rejected"] > 0 and result["completed"] > 0, result
@@ -59,7 +59,7 @@ def test_overload_refuses_the_excess_and_every_accepted_request_completes(target
 
 
 def test_streams_cut_at_random_points_leave_no_page_or_slot_held(target):
-    from benchmarks.reliability import streams_cut
+    from apt_serve_ray.bench.reliability import streams_cut
 
     idle(target)
     result = asyncio.run(streams_cut(target, num_streams=100))
@@ -69,7 +69,7 @@ def test_streams_cut_at_random_points_leave_no_page_or_slot_held(target):
 
 
 def test_killed_controller_routers_keep_serving_and_it_is_replaced(target):
-    from benchmarks.reliability import kill_during_load
+    from apt_serve_ray.bench.reliability import kill_during_load
 
     idle(target)
     long = dataclasses.replace(target, max_tokens=256)  # more requests in flight at the kill
@@ -79,7 +79,7 @@ def test_killed_controller_routers_keep_serving_and_it_is_replaced(target):
 
 
 def test_killed_router_replica_is_replaced_and_no_request_hangs(target):
-    from benchmarks.reliability import kill_during_load
+    from apt_serve_ray.bench.reliability import kill_during_load
 
     idle(target)
     long = dataclasses.replace(target, max_tokens=256)  # more requests in flight at the kill
