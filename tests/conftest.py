@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import os
+from pathlib import Path
 
 import pytest
 
@@ -68,12 +70,20 @@ def pytest_configure(config) -> None:
         torch.set_num_threads(1)
 
 
+@functools.cache
+def _needs_ray(path: str) -> bool:
+    """Whether a test module runs on Ray (its tests carry the ``ray`` mark)."""
+    file = Path(__file__).resolve().parent.parent / path
+    return file.is_file() and "pytest.mark.ray" in file.read_text()
+
+
 def _work_unit(nodeid: str) -> str:
     """The group a test runs in under ``--dist loadgroup``: one worker runs a whole group, in order."""
     path, _, name = nodeid.partition("::")
-    if path.startswith("tests/serve/"):
+    if _needs_ray(path):
         # Everything on the session's Ray instance (Ray and Serve started once), and the multinode
         # scenario (a Ray cluster of its own), which so never runs beside the session's instance.
+        # The serve folder's tests without Ray (protocol, config, router logic) balance like the rest.
         return "ray"
     if "smollm2" in name or "default_model" in name:
         return "smollm2"  # the real default model, loaded once (the ``smollm2`` fixture)
