@@ -3,18 +3,10 @@
     python benchmarks/architectures.py [--batches 1 8 32] [--context 400] [--dtype float32] \\
         [--json docs/benchmarks/architectures.json]
 
-Each architecture's random-weight checkpoint at OPT-125m's sizes (``<arch>-125m`` in
-``apt_serve_ray.models.checkpoints``: 768 wide, 12 layers, 12 heads of 64, multi-head, 3072-wide MLP; OPT
-itself as ``opt-125m``) is loaded through the engine, and one whole engine step
-(``ModelRunner.execute``: batch preparation, forward, lm-head, sampling; KV pages on the device's
-fast attention backend) is timed on decode batches of B requests with ``--context`` tokens each, as
-``decode_step.py`` does. The architectures are interleaved per batch (round-robin, fastest of
-``--repeats``), so a slow phase of a shared machine hits them alike; the table gives each one's time
-over Llama's. What differs: OPT (LayerNorm, ReLU MLP, learned positions) and the Llama family (RMSNorm,
-gated SiLU MLP, RoPE; Qwen2 biases, Qwen3 q/k norms, Phi-3 partial rotary), Gemma's (1 + w) norms and
-GeLU-tanh MLP, Gemma 2's extra norms, capped scores and logits and Gemma 3's q/k norms: a Gemma 2 / 3
-local (sliding-window) layer, and every Gemma 2 layer (soft-capped scores), attend through the masked
-reference path rather than the C++ kernels (``AttentionBackend._forward_masked``).
+Each architecture's random-weight checkpoint at OPT-125m's sizes (``<arch>-125m``), one whole engine
+step on KV pages timed as ``decode_step.py`` does, architectures interleaved per batch (fastest of
+``--repeats``); each one's time over Llama's. Results and why they differ: docs/benchmarks.md
+("Models and the sampler's extra work").
 """
 
 from __future__ import annotations

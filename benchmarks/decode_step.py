@@ -1,32 +1,12 @@
 """One engine step, timed whole, backend against backend: where a decode step's time goes.
 
-    python benchmarks/decode_step.py [--quick] [--threads 1 2] [--dtypes float32 bfloat16]
-                                     [--json docs/benchmarks/decode_step.json] [--profile]
-
-(from the repository root, with the package installed or ``PYTHONPATH=.``).
-
-On the random-weight OPT-125m-shape checkpoint (MHA: both cache kinds) it times ``ModelRunner.execute``
-(batch preparation + forward + lm-head + sampling: the whole step the engine runs) on decode batches
-of B requests, each with C tokens of context, for every combination of:
-
-* attention backend: ``torch`` (the PyTorch reference: gather pages into a padded batch, then
-  attend) and the device's fast one (``cpu``: C++ kernels reading pages in place; ``triton`` on CUDA);
-* cache kind: KV, hidden fused (``cache_proj_optimize=True``), hidden unfused (gather x, project K/V),
-  and the int8 kinds (kv-int8, hidden-int8 fused) beside them, with each int8 kind's time over its
-  base kind's (``--configs`` picks a subset);
-* ``--device cuda --shape opt-13b-2l``: the same at OPT-13B layer shapes on a GPU (``gpu_check.sh``);
-* dtype and torch threads (``--dtypes``, ``--threads``).
-
-Every configuration gets its own engine over the same checkpoint and the same requests (their pages
-filled with random contents of their kind: never-written pages would all read one zero page), and the
-configurations are interleaved per batch shape (round-robin, fastest of ``--repeats``), so a slow
-phase of a shared machine hits them alike. Timing is wall time (CPU time would sum threads), or with
-``--clock thread`` (one thread only) the calling thread's CPU time: on a machine shared with other
-work it leaves out the time the step waited for a core.
-
-``--profile`` adds a torch.profiler breakdown of one configuration's decode step (``--profile-config``)
-by operator group (linear layers, attention, elementwise, ...). Outputs: a table on stdout and
-``--json`` with every point and the CPU it ran on.
+Times ``ModelRunner.execute`` (the whole step the engine runs) on decode batches of B requests of C
+tokens each, on a random-weight checkpoint (``--shape``), for every attention backend x cache kind in
+``--configs``, dtype and thread count, interleaved per batch shape (fastest of ``--repeats``).
+``--profile``: a torch.profiler breakdown by operator group; ``--flop-model``: the hidden kinds' extra
+time per context token over KV against a FLOP model of the K/V projection, and the calibrated rho
+(what ``hidden_cache_cost.py`` measured, issue 3). What each option means and the results:
+docs/benchmarks.md; ``gpu_check.sh`` runs it on CUDA.
 """
 
 from __future__ import annotations
@@ -37,11 +17,13 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from apt_serve_ray.bench.engine_args import add_cache_dir, random_checkpoint
 from apt_serve_ray.bench.report import stamp, write_json
 from apt_serve_ray.bench.steps import build, decode_batch, group_ops, op_table, time_step
 from apt_serve_ray.request import CacheKind
+from apt_serve_ray.worker.calibration import calibrate_rho
 
 # name: (attention_backend, kind, cache_proj_optimize); "fast" is the device's own backend (cpu / triton).
 CONFIGS = {
@@ -58,6 +40,24 @@ CONFIGS = {
 # int8 kind -> its base kind: the ratio printed per batch shape (the int8 kernels' cost over the exact kind's).
 INT8_BASES = {"fast kv-int8": "fast kv", "fast hidden-int8 fused": "fast hidden fused",
               "torch kv-int8": "torch kv", "torch hidden-int8": "torch hidden"}
+HIDDEN_BASES = {"torch hidden": "torch kv", "fast hidden unfused": "fast kv"}  # the paths that project K/V
+
+
+def projection_gflops(rows: int, hidden: int, dtype: str, device: str, repeats: int) -> float:
+    """Measured rate of the K/V projection a hidden request redoes per context token and step:
+    [rows, hidden] x [hidden, 2 hidden] (rows capped at 8192, where the rate has long saturated)."""
+    a = torch.randn(min(rows, 8192), hidden, dtype=getattr(torch, dtype), device=device)
+    w = torch.randn(2 * hidden, hidden, dtype=a.dtype, device=device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    F.linear(a, w)
+    best = float("inf")
+    for _ in range(repeats):
+        sync()
+        t = time.perf_counter()
+        F.linear(a, w)
+        sync()
+        best = min(best, time.perf_counter() - t)
+    return 4 * a.shape[0] * hidden * hidden / best / 1e9
 
 
 def main(argv=None) -> int:
@@ -75,6 +75,8 @@ def main(argv=None) -> int:
     p.add_argument("--profile-config", default="fast kv")
     p.add_argument("--profile-batch", type=int, default=8)
     p.add_argument("--profile-context", type=int, default=400)
+    p.add_argument("--flop-model", action="store_true",
+                   help="hidden kinds: extra us per context token over KV against a FLOP model; calibrated rho")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--shape", default="opt-125m", help="checkpoint shape (apt_serve_ray.models.checkpoints.SHAPES), "
                    "e.g. opt-13b-2l: two layers of OPT-13B (hidden 5120, 40 heads)")
@@ -88,7 +90,7 @@ def main(argv=None) -> int:
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
     path = random_checkpoint(args.shape, args.cache_dir)
     num_pages = max(args.batches) * -(-max(args.contexts) // 16) + 8  # every request on its own KV pages
-    rows, profiles = [], {}
+    rows, profiles, rhos = [], {}, {}
     header = stamp(threads=args.threads, dtype=args.dtypes, model=f"{args.shape} shape, random weights",
                    simulated=False, torch=torch.__version__)
     device = torch.cuda.get_device_name() if args.device == "cuda" else \
@@ -111,12 +113,26 @@ def main(argv=None) -> int:
                     for n in args.configs:
                         rows.append(dict(threads=threads, dtype=dtype, batch=batch, context=context, config=n,
                                          step_ms=best[n] * 1e3))
+                        if args.flop_model and HIDDEN_BASES.get(n) in best:  # 4 hidden^2 FLOPs a token and layer
+                            m = engines[n].llm_engine.runner.model.shape
+                            gf = projection_gflops(batch * context, m.hidden_size, dtype, args.device, args.repeats)
+                            extra = (best[n] - best[HIDDEN_BASES[n]]) / batch / context * 1e6
+                            model = 4 * m.hidden_size**2 * m.num_layers / gf / 1e3
+                            rows[-1].update(extra_us_per_token=extra, flop_model_us_per_token=model, gemm_gflops=gf)
+                            print(f"  {n}: extra {extra:.1f} us per context token over {HIDDEN_BASES[n]}, "
+                                  f"FLOP model {model:.1f} ({gf:.0f} GFLOP/s)")
                     ref = best.get("torch kv")
                     line = "  ".join(f"{n} {best[n] * 1e3:7.1f}" for n in args.configs)
                     ratio = f"  | torch kv / fast kv {ref / best['fast kv']:.2f}x" if ref and "fast kv" in best else ""
                     ratio += "".join(f"  | {n} / {b} {best[n] / best[b]:.2f}x" for n, b in INT8_BASES.items()
                                      if n in best and b in best)
                     print(f"threads={threads} {dtype:8s} B={batch:3d} ctx={context:5d} ms: {line}{ratio}", flush=True)
+            if args.flop_model:
+                name = next(iter(engines))
+                rho = calibrate_rho(engines[name].llm_engine.runner)
+                rhos[f"threads={threads} {dtype}"] = dict(config=name, ms_per_page=rho.seconds_per_page * 1e3,
+                                                          us_per_token=rho.seconds_per_token * 1e6, r2=rho.r2)
+                print(f"calibrated rho ({name}): {rho.seconds_per_page * 1e3:.3f} ms per page (r2 {rho.r2:.3f})")
             if args.profile and args.profile_config in engines:
                 out = decode_batch(engines[args.profile_config], args.profile_batch, args.profile_context,
                                    CONFIGS[args.profile_config][1])
@@ -130,7 +146,7 @@ def main(argv=None) -> int:
         write_json(args.json, dict(device=device, cpu=header["machine"]["cpu"],
                                    native_bf16=header["machine"]["native_bf16"], torch=torch.__version__,
                                    argv=sys.argv[1:], clock=args.clock, model=header["run"]["model"], rows=rows,
-                                   profiles=profiles), header)
+                                   profiles=profiles, rho=rhos), header)
     return 0
 
 

@@ -1,16 +1,9 @@
-"""What one step sends across the engine socket (issue 28): the pickled ``("step", outputs, cache,
-step_s, metric_ops)`` message of ``EngineCore`` at ``--requests`` running requests of
-``--context``-token contexts, with outputs as deltas (``RequestOutputKind.DELTA``, what the async
-engine streams now) against whole outputs (``CUMULATIVE``, what every step carried before: the
-prompt, every output token and every token time of every running request). Both on the same engine,
-one after the other, decode steps only (the prefill steps are run first and not counted).
+"""What one step sends across the engine socket (issue 28): ``EngineCore``'s pickled step message at
+``--requests`` running requests of ``--context``-token contexts, outputs as deltas (``DELTA``) against
+whole outputs (``CUMULATIVE``), on the same engine, decode steps only; bytes per step (mean, largest)
+and the time to pickle it on the step loop. The model's size changes nothing sent (``--shape``).
 
     .venv/bin/python benchmarks/engine_socket_bytes.py --json docs/benchmarks/engine/socket_bytes.json
-
-Reports bytes per step (mean and largest; requests start decoding a few steps apart, as their
-prefills finish, and end as far apart, so steps near either end carry fewer of them) and the
-time to pickle the message (paid on the step loop) per step. The model's size does not change what
-is sent, so a tiny random checkpoint serves (``--shape``).
 """
 
 from __future__ import annotations

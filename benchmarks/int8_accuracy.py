@@ -4,29 +4,11 @@
                                        [--max-tokens 64] [--json docs/benchmarks/int8_accuracy.json]
     python benchmarks/int8_accuracy.py --table      # print the table of the JSON
 
-(from the repository root, with the package installed or ``PYTHONPATH=.``). A run replaces the models
-it measures in the JSON and keeps the others; each model's entry records its prompts and tokens.
-
-Models: SmolLM2-135M-Instruct (real weights, the default model's GGUF; grouped-query, so hidden and
-hidden-int8 are forced on), and random-weight OPT-125m and a Llama of the same shape with multi-head
-attention (built once under ``--cache-dir``). Prompts: the 20 held-out prompts below (in no test).
-
-For each model and dtype, every kind runs the same prompts as one batch through the engine's model
-runner (chunk and page paths as in serving; the prompt as one chunk, then one token per step):
-
-* ``kv``: greedy, ``--max-tokens`` tokens, its logits at every generated position recorded;
-* each int8 kind, teacher-forced on the KV run's tokens: its logits at the same positions give the
-  max / mean absolute logit error and the top-1 agreement with KV's (the cleaner metric: one early
-  disagreement does not decide the rest);
-* each int8 kind, greedy on its own: the share of prompts whose tokens all equal KV's, the mean
-  share of tokens before the first difference, and the share of equal tokens position by position.
-
-With both dtypes, ``bf16 kv`` vs ``fp32 kv`` (teacher-forced on the fp32 tokens) is the noise floor:
-the error the bf16 cache already makes. Capacity: tokens per GiB of cache by kind, from the layout.
-The hidden kind is exact (its accuracy is tested, not measured here). Attention runs on
-``--backend`` (default: the PyTorch reference, which defines the kinds; the C++ and Triton kernels are
-tested against it). Random weights give near-uniform logits (``logit std`` column), so ties flip top-1 more than on a
-trained model: the SmolLM2 rows are the realistic ones.
+Every kind runs the same held-out prompts (``PROMPTS``) as one batch through the model runner: KV
+greedy as the reference, each int8 kind teacher-forced on its tokens (logit error, top-1 agreement)
+and greedy on its own (agreement with KV's tokens); with both dtypes bf16 KV against fp32 KV is the
+noise floor. Capacity: tokens per GiB by kind. A run replaces the models it measures in the JSON and
+keeps the others. Setup and results: docs/benchmarks.md ("Cache kinds").
 """
 
 from __future__ import annotations

@@ -9,44 +9,10 @@ arrivals, two service levels, memory that binds. Attainment per class, goodput, 
     PEER=/path/to/vllm-peer python benchmarks/mixed_traffic.py serve --servers ours ours-kv vllm vllm-priority \\
         --rates 0.25 0.4 0.6 --dtype float32 --json docs/benchmarks/mixed/serve_fp32.json
 
-The trace (``bench/mixed_trace.py``, defaults as in issue 26): ``--num-requests`` requests a rate,
-Gamma arrivals of coefficient of variation ``--cv`` (3: bursty); ``--chat-share`` of them chats (prompt
-64-256 tokens, 32-128 out; TTFT 2 s, P99 gap 0.5 s, priority 0), the rest documents (900-1,500
-prompt tokens, 64-128 out; TTFT 12 s, P99 gap 1 s, priority 10). Every length range and target is a
-flag: vary them (and ``--seed``, ``--cv``) rather than tune to one trace. Outputs are fixed per request
-(ignore EOS); token ids random. One trace per seed, re-timed for each rate (``with_rate``) and given token
-ids of its own at every rate and seed (``fresh_token_ids``): a server or engine that ran the rate before
-finds nothing of it cached.
-
-Memory that binds: 378 pages of 16 tokens (6,048 KV tokens) for ours, 189 blocks of 32 for vLLM
-(the same bytes); 512 batched tokens a step; one compute thread each (``--threads``); the same
-random-weight OPT-125m checkpoint. ``--dtype`` float32 or bfloat16 (say which; on a CPU without native
-bf16, bf16 runs several times slower).
-
-Engine mode (``engine``): one in-process engine per policy (``bench/driver.replay``, the engine's own
-token times), policies interleaved per rate. ``apt``: the adaptive policy as the app ships it (hidden
-and kv-int8 kinds under a ceiling the engine's own watermarks move, 0.7 / 0.9, up to 0.7; 4 GiB
-tier); ``apt-open``: the same as it was before issue 44 (admits whatever memory allows, no
-reservation for the oldest, no request written off before it is late); ``apt-keeplate``: apt without
-writing off the waiting requests predicted late; ``apt-notier``: apt without its tier (``swap_space`` 0); ``apt-kv``: the same policy with KV pages only; ``sarathi`` (vLLM v1's chunked prefill, FCFS),
-``fcfs``, ``priority``. Every step is recorded (``driver.step_record``): each miss is explained by
-the steps in the gap it broke (prefill tokens, decode rows, compressions, swaps, upgrades, measured
-vs predicted seconds) or, for a late first token, the steps it waited through. The step-time model's
-prediction against the measured step is tabled by step kind.
-
-Serve mode (``serve``): one server at a time on this machine, each started here and stopped after its
-rates. ``ours``: ``serve run`` of the app with serve_config.yaml's scheduling, watermarks, kinds and
-tier, told each request's SLOs and priority in the body; ``ours-notier``: the same without the tier
-below memory; ``ours-open``: apt's admission as before issue 44; ``ours-kv``: the same with KV pages only (no
-compressed kind, watermarks off); ``vllm``: vLLM CPU (``$PEER``, see shared/tools/vllm-peer) with its
-defaults (FCFS, prefix caching on), the same requests without SLOs or priority; ``vllm-priority``: with
-``--scheduling-policy priority`` and the priority in the body. Gaps are measured at the client between
-streamed chunks, as a user sees them.
-
-Outputs: a table per rate (attainment all / chat / documents, goodput, TTFT and gap misses per
-class, the longest gap per request), effective throughput at 90% and 60% per server or policy,
-``--json`` (every request's outcome and miss cause, the machine, the command) and plots in
-``--out-dir``.
+The trace is ``bench/mixed_trace.py``'s, every length range and target a flag, re-timed per rate with
+token ids of its own at every rate and seed. ``engine``: one engine per policy (``engine_options``),
+every step recorded, so a miss is explained by the steps in the gap it broke; ``serve``: one server at
+a time (``servers.named``). The settings, the servers and the results: docs/benchmarks.md.
 """
 
 from __future__ import annotations

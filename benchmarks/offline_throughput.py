@@ -1,33 +1,19 @@
 """Offline throughput: our engine vs transformers ``generate`` (static batching), same process.
 
-    python benchmarks/offline_throughput.py [--threads 1 2] [--quick] [--profile] [--json out.json]
+    python benchmarks/offline_throughput.py [--threads 1 2] [--quick] [--json out.json]
 
-(from the repository root, with the package installed or ``PYTHONPATH=.``).
-
-Workload (issue 2): a random-weight OPT-125m-shape checkpoint in bfloat16, built once under
-``--cache-dir``; 64 requests of 256 random prompt token ids + 64 output tokens (ignore_eos, greedy).
-For every ``--threads`` value (``torch.set_num_threads``) it runs
-
-* our engine, driven with ``add_request`` / ``step()`` so every step is timed; the runner's model
-  forward, lm-head, input preparation and sampler are wrapped with timers on the instance (nothing
-  in the engine is edited), so each step splits into scheduler / prepare / forward / logits /
-  sampler / postprocess (token bookkeeping, detokenizer, outputs);
-* transformers ``generate`` in static batches of ``--hf-batch-size`` (left padding, same dtype,
-  greedy, ``min_new_tokens`` = ``max_new_tokens`` so EOS cannot end a row early).
-
-``overhead_share`` = share of the engine's summed step time spent outside the model's forward and
-lm-head (i.e. scheduler + prepare + sampler + postprocess). ``--profile`` adds a cProfile of one
-engine run (inclusive time of the components) and a torch.profiler op table of steady-state decode
-steps (where the forward itself spends its time: matmuls, paged gathers, cache writes, SDPA).
+Random prompts on a random-weight checkpoint (issue 2: 64 requests of 256 + 64 tokens, bf16); our
+engine driven step by step with each step split into scheduler / prepare / forward / logits / sampler
+/ postprocess (``bench/steps.py``), transformers in static batches of ``--hf-batch-size`` and once
+prefill-only (the speed-up ceiling at equal prefill speed). ``overhead_share``: the share of step time
+outside the forward and lm-head. Results: docs/benchmarks.md ("Engine vs transformers").
 """
 
 from __future__ import annotations
 
 import argparse
-import cProfile
 import gc
 import os
-import pstats
 import sys
 import time
 from pathlib import Path
@@ -37,7 +23,7 @@ import torch
 from apt_serve_ray import LLM, SamplingParams
 from apt_serve_ray.bench.engine_args import Default, add_cache_dir, add_engine_args, random_checkpoint
 from apt_serve_ray.bench.report import stamp, write_json
-from apt_serve_ray.bench.steps import PARTS, StepTimers, breakdown, group_ops, op_table
+from apt_serve_ray.bench.steps import PARTS, StepTimers, breakdown
 
 
 # Workload ----------------------------------------------------------------------------------------
@@ -122,57 +108,6 @@ def contention_probe(threads: int) -> float:
     return (time.perf_counter() - t) / 50 * 1e3
 
 
-# Profiling ---------------------------------------------------------------------------------------
-_COMPONENTS = {  # (file suffix, function name) -> label; inclusive (cumulative) time
-    ("engine.py", "step"): "engine.step (all)",
-    ("scheduler.py", "schedule"): "scheduler.schedule",
-    ("model_runner.py", "execute"): "runner.execute",
-    ("model_runner.py", "_prepare"): "  runner._prepare",
-    ("opt.py", "forward"): "  model.forward",
-    ("backend.py", "forward"): "    attention backend (per layer)",
-    ("opt.py", "compute_logits"): "  model.compute_logits",
-    ("sampler.py", "sample"): "  sampler.sample",
-    ("engine.py", "_on_token"): "engine._on_token",
-    ("detokenizer.py", "add_token"): "  detokenizer.add_token",
-    ("engine.py", "_output"): "  engine._output",
-}
-
-
-def cprofile_engine(llm, timers, prompts, output_len: int) -> dict:
-    prof = cProfile.Profile()
-    prof.enable()
-    run_engine(llm, timers, prompts, output_len)
-    prof.disable()
-    stats = pstats.Stats(prof)
-    found = {}
-    for (file, _line, func), (_cc, _nc, _tt, ct, _callers) in stats.stats.items():
-        for (suffix, name), label in _COMPONENTS.items():
-            if func == name and file.endswith(suffix) and "apt_serve_ray" in file:
-                found[label] = found.get(label, 0.0) + ct
-    # The heaviest Python-level functions by own time (excluding torch ops), to spot hot loops.
-    own = sorted(((tt, f"{Path(file).name}:{func}") for (file, _l, func), (_cc, _nc, tt, _ct, _c) in stats.stats.items()
-                  if "apt_serve_ray" in file), reverse=True)[:12]
-    return {"inclusive_s": {label: found.get(label, 0.0) for label in _COMPONENTS.values()},
-            "top_own_s": [(name, tt) for tt, name in own]}
-
-
-def torch_profile_decode(llm, prompts, num_steps: int) -> list[tuple[str, float, int]]:
-    """Op table (self CPU ms, calls) of ``num_steps`` steady-state decode steps of a full batch."""
-    engine = llm.llm_engine
-    # Long enough that no request finishes inside the profiled window.
-    params = SamplingParams(max_tokens=num_steps + 4, temperature=0.0, ignore_eos=True)
-    for p in prompts:
-        engine.add_request(p, params)
-    while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
-        engine.step()
-    for _ in range(2):
-        engine.step()
-    rows = op_table(engine.step, num_steps)
-    for rid in list(engine.requests):
-        engine.abort_request(rid)
-    return rows
-
-
 # Report ------------------------------------------------------------------------------------------
 def print_table(results: list[dict]) -> None:
     print()
@@ -219,8 +154,6 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="32 requests (half the work)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-hf-prefill", action="store_true", help="skip the HF prefill-only run (speed-up ceiling)")
-    ap.add_argument("--profile", action="store_true",
-                    help="cProfile + torch.profiler of the engine (at the last thread count)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -267,28 +200,6 @@ def main(argv=None) -> int:
     print_table(results)
     llm.llm_engine.cache.pool.check_integrity()
 
-    profile = None
-    if args.profile:
-        prof_prompts = prompts[: max(8, len(prompts) // 2)]
-        cp = cprofile_engine(llm, timers, prof_prompts, args.output_len)
-        print(f"\ncProfile of one engine run ({len(prof_prompts)} requests, threads={args.threads[-1]}); "
-              "inclusive seconds, inflated by profiling for Python-heavy parts")
-        for label, sec in cp["inclusive_s"].items():
-            print(f"  {label:<32} {sec:8.3f}")
-        print("  top own time in apt_serve_ray:")
-        for name, sec in cp["top_own_s"]:
-            print(f"    {name:<40} {sec:8.3f}")
-        ops = torch_profile_decode(llm, prompts, num_steps=5)
-        print(f"\ntorch.profiler: steady-state decode step, batch {len(prompts)}: self CPU ms per step")
-        for key, ms, calls in ops[:18]:
-            print(f"  {key:<40} {ms:8.2f}  x{calls}")
-        grouped = group_ops(ops)
-        total = sum(grouped.values())
-        print("  grouped:")
-        for label, ms in grouped.items():
-            print(f"    {label:<44} {ms:8.2f} ms {ms / total:6.1%}")
-        profile = {"cprofile": cp, "decode_ops_ms_per_step": ops[:30], "decode_op_groups_ms": grouped}
-
     if args.json is not None:
         head = results[-1] if len(results) == 1 else max(results, key=lambda r: r["threads"])
         doc = {
@@ -306,7 +217,7 @@ def main(argv=None) -> int:
                          "output_len": args.output_len, "dtype": args.dtype, "shape": args.shape,
                          "hf_batch_size": args.hf_batch_size, "max_num_seqs": args.max_num_seqs,
                          "max_num_batched_tokens": args.max_num_batched_tokens},
-            "by_threads": results, "profile": profile,
+            "by_threads": results,
             "torch": torch.__version__, "cpu_count": os.cpu_count(),
         }
         header = stamp(threads=args.threads, dtype=args.dtype, model=f"{args.shape} (random weights)", simulated=False)

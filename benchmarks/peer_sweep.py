@@ -3,33 +3,17 @@
     python benchmarks/peer_sweep.py --base-url http://127.0.0.1:8100 --label vllm \\
         --json docs/benchmarks/peer/peer_sweep.json --out-dir docs/benchmarks/peer
 
-Run it once per server (one server up at a time: on a shared CPU a second server would steal the
-first one's cores), either against a server already up (``--base-url``) or one it starts and stops
-itself (``--start ours|vllm|vllm-nopc`` with the engine flags: what ``vllm_compare.sh`` does); each run
-adds its label to the JSON file and the table printed at the end holds
-every label in it, with effective-throughput ratios against ``--baseline``. How the servers were
-started for the committed results: ``docs/benchmarks.md`` ("Against vLLM").
-
-The traces are ``serving_policies.py``'s (same workloads, seed, ``--max-model-len`` and output caps):
-one base trace per workload, re-timed for every rate with Gamma gaps and given token ids of its own at
-every rate (``workloads.fresh_ids``: nothing a server cached at one rate helps the next).
-``--probe`` measures the engine's speed through the server before any SLO question: single-stream
-TTFT and TPOT (``--probe-single`` requests one after another, concurrency 1) and saturated output
-tokens/s (``--probe-saturated`` requests sent at once), on vLLM ``random`` requests of
-``--probe-input-len`` / ``--probe-output-len`` tokens (range ratio 0.1). ``--probe-only`` skips the sweep.
-
-Every request streams from ``/v1/completions`` with ``ignore_eos`` and is timed on the client by
-``bench/http_client.py``: TTFT, every inter-token gap, errors (an HTTP error, a 503 from
-admission control or a timeout counts as a miss). Attainment: TTFT < ``--ttft-slo-ms`` and P99 gap
-< ``--tbt-slo-ms``. Once attainment falls below ``--stop-below``, higher rates are skipped: they
-add nothing to the effective throughput and only queue for minutes.
+One server per run, already up (``--base-url``) or started and stopped here (``--start``: what
+``vllm_compare.sh`` does); each run adds its label to the JSON and the table holds every label, with
+ratios against ``--baseline``. The traces are ``serving_policies.py``'s, with token ids of their own at
+every rate; ``--probe`` adds single-stream TTFT / TPOT and saturated tokens/s. Higher rates are skipped
+once attainment falls below ``--stop-below``. Results: docs/benchmarks.md ("Engine speed against vLLM").
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import math
 import shlex
@@ -70,8 +54,7 @@ def sweep(workload: str, url: str, model: str, args) -> dict:
         timelines, duration = asyncio.run(replay(trace, url, model, client, slos))
         s = slo_metrics.summarize(timelines, duration)
         errors = [t.error for t in timelines if t.error]
-        runs.append({"rate": rate, "summary": s, "errors": errors[:5], "num_errors": len(errors),
-                     "timelines": [dataclasses.asdict(t) for t in timelines] if args.keep_timelines else None})
+        runs.append({"rate": rate, "summary": s, "errors": errors[:5], "num_errors": len(errors)})
         print(f"  {rate:5.2f} req/s attain {100 * s['slo_attainment']:5.1f}%  ok {s['completed']:3d} "
               f"failed {s['failed']:2d}  ttft mean {s['mean_ttft_ms']:6.0f} p99 {s['p99_ttft_ms']:6.0f}  "
               f"itl median {s['median_itl_ms']:5.0f} p99 {s['p99_itl_ms']:5.0f} ms  "
@@ -165,7 +148,7 @@ def measure(args, report: dict, base_url: str) -> None:
     # The client runs on the servers' machine here (base URL 127.0.0.1): its CPU is theirs.
     header = stamp(threads=args.num_threads if args.start else None, dtype=args.dtype if args.start else None,
                    model=model, simulated=False, started_here=args.start)
-    result = {**header, "url": base_url, "model": model, "note": args.note or (f"started here: {args.start}" if args.start else ""),
+    result = {**header, "url": base_url, "model": model, "note": f"started here: {args.start}" if args.start else "",
               "cpu": header["machine"]["cpu"], "native_bf16": header["machine"]["native_bf16"],
               "config": vars(args), "probe": previous.get("probe"), "workloads": {}}
     if args.probe or args.probe_only:
@@ -186,7 +169,6 @@ def main(argv=None) -> int:
     ap.add_argument("--endpoint", default="/v1/completions")
     ap.add_argument("--model", default=None, help="default: the first model the server lists")
     ap.add_argument("--label", required=True, help="this server's name in the JSON and the table")
-    ap.add_argument("--note", default="", help="how the server was started (recorded in the JSON)")
     ap.add_argument("--workloads", nargs="+", default=["sharegpt", "longbench"])
     ap.add_argument("--rates", type=float, nargs="+", default=None, help="req/s (default: per workload)")
     ap.add_argument("--rates-sharegpt", type=float, nargs="+", default=None, help="sharegpt's (over --rates)")
@@ -200,11 +182,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tbt-slo-ms", type=float, default=1000.0)
     ap.add_argument("--stop-below", type=float, default=0.3, help="skip higher rates once attainment is below this")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
-    ap.add_argument("--keep-timelines", action="store_true", help="store every request's timeline in the JSON")
     ap.add_argument("--baseline", default=None, help="label to take ratios against in the table")
     ap.add_argument("--json", type=Path, default=None, help="results file; this label's workloads are added or replaced")
     ap.add_argument("--out-dir", type=Path, default=None, help="attainment plots of every label in the JSON")
-    ap.add_argument("--table-only", action="store_true", help="print the table of --json and exit")
     ap.add_argument("--disable-tqdm", action="store_true")
     ap.add_argument("--probe", action="store_true", help="also measure single-stream and saturated speed")
     ap.add_argument("--probe-only", action="store_true", help="only the probe, no rate sweep")
@@ -233,13 +213,12 @@ def main(argv=None) -> int:
         ap.error(f"--workloads: unknown {sorted(unknown)}; valid: {sorted(DEFAULT_RATES)}")
 
     report = json.loads(args.json.read_text()) if args.json and args.json.exists() else {"servers": {}}
-    if not args.table_only:
-        if args.start is None:
-            measure(args, report, args.base_url.rstrip("/"))
-        else:
-            spec = start_spec(args)
-            with servers.running(spec, args.log_dir / f"peer_sweep_{args.label}.log"):
-                measure(args, report, spec.base_url)
+    if args.start is None:
+        measure(args, report, args.base_url.rstrip("/"))
+    else:
+        spec = start_spec(args)
+        with servers.running(spec, args.log_dir / f"peer_sweep_{args.label}.log"):
+            measure(args, report, spec.base_url)
     print_probe_table(report, args.baseline)
     print_table(report, args.baseline)
     if args.out_dir:

@@ -1,32 +1,13 @@
-"""Predictive vs reactive vs no memory control, through Ray Serve with two engine replicas.
-
-The same traces go, over HTTP (streaming), to the app deployed three ways:
-
-* ``predictive``: ``predictive_control: true`` (the controller forecasts arrivals and acts a horizon
-  ahead, per replica and cluster-wide; ``deployments/cluster_control.py``);
-* ``reactive``: today's watermarks, per replica and cluster-wide, on memory in use only;
-* ``none``: both watermarks at 1.0, so no rule ever fires (the ratio stays at its base, admission
-  stays open, no replica is marked pressured);
-* ``predictive-refuse`` / ``reactive-refuse`` (on request): the same with ``heavy_watermark_action``
-  "refuse" (503 at once while admission is closed) instead of the default "hold";
-* ``reactive-noratio`` (on request): reactive with ``max_hidden_ratio`` 0, i.e. the watermarks'
-  admission (hold, pressured replicas steered away from) without the ratio: what the ratio is worth.
-
-The replicas offer ``--cache-kinds`` (serve_config.yaml's: hidden and kv-int8) with ``cache_ratio`` 0
-at rest, so what the controller's ratio lets ``apt`` take is compressed pages.
-
-Traces (``apt_serve_ray/bench/workloads.py``, one seed): Gamma arrivals at ``--rate`` with CV 1, 4
-and 8, and an on/off square wave (``--low`` / ``--high`` req/s, ``--period`` s) whose mean is about
-``--rate``. Reported per mode and trace: SLO attainment (all requests; on/off also within the high
-phases, the peak), effective throughput (requests per second that met their SLOs: goodput), and the
-predictor's forecast error (MAPE of the forecast mean rate over the horizon against the arrivals that
-came, over the forecasts where something came; and WAPE, which quiet windows do not dominate): live (the controller's forecasts, polled) for the
-predictive mode, and offline (the trace's arrivals replayed into a ``TrafficPredictor``) for every
-trace. Writes ``docs/benchmarks/predictive/predictive_control[_quick].json`` and a plot of forecast
-vs actual arrivals on the on/off trace with the controller's actions marked.
+"""Predictive vs reactive vs no memory control, through Ray Serve with two engine replicas (issue 14).
 
     python benchmarks/predictive_control.py --quick        # ~10 min on 2 shared cores: on/off + CV 4
     python benchmarks/predictive_control.py                # every trace, longer
+
+The same traces (Gamma arrivals at ``--rate`` with CV ``--cvs``, and an on/off square wave) go over
+HTTP to the app deployed once per mode (``app_args``: ``predictive``, ``reactive``, ``none``; on
+request ``*-refuse`` and ``reactive-noratio``). Reported per mode and trace: SLO attainment (on/off:
+also in the peaks), goodput, and the forecast's MAPE / WAPE, live and offline; writes
+``predictive_control[_quick].json`` and plots in ``--out-dir``. Setup and results: docs/benchmarks.md.
 """
 
 from __future__ import annotations

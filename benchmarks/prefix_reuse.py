@@ -7,27 +7,10 @@ without it, one server at a time, the same sessions at each rate.
         --json docs/benchmarks/prefix/serve_fp32.json
     python benchmarks/prefix_reuse.py report --json docs/benchmarks/prefix/serve_fp32.json
 
-The sessions (``bench/conversations.py``): ``--sessions`` of them a rate, Gamma arrivals (``--cv``) at
-``--rates`` sessions a second; 75% conversations (3-8 turns, history re-sent every turn with the
-replies' own token ids, think time exponential with mean ``--think-s``; users in ``--groups`` groups
-sharing a 200-1,000-token system prompt; chat: TTFT 2 s, P99 gap 0.5 s, priority 0), 25% questions
-about one of ``--documents`` documents of 800-1,400 tokens (TTFT 8 s, P99 gap 1 s, priority 10). Every
-range and target is a flag of ``bench/conversations.py``'s spec; vary ``--seed`` rather than tune.
-
-Servers: ``ours`` is ``serve run`` of the app as ``benchmarks/mixed_traffic.py`` starts it
-(serve_config.yaml's scheduling, watermarks, kinds and tier, prefix caching on as shipped), told
-each request's SLOs and priority; ``ours-nopc`` the same with ``enable_prefix_caching=false``;
-``vllm`` vLLM CPU with its defaults (prefix caching on, FCFS) and ``--enable-prompt-tokens-details``
-(to report cached tokens; changes nothing else); ``vllm-priority`` the same with
-``--scheduling-policy priority``, told each request's priority (lower first, as ours); ``vllm-nopc``
-with ``--no-enable-prefix-caching`` (a lab baseline: users run vLLM with it on). The same random-weight OPT-125m checkpoint, bytes of
-cache (``--num-pages`` pages of 16 tokens; vLLM the same bytes in blocks of 32), 512-token step
-budget, one compute thread each.
-
-Measured at the client: TTFT and the P99 of each request's gaps between streamed chunks; SLO
-attainment per class; goodput (requests meeting their SLOs a second); TTFT p50/p90 per class; the
-prefix cache hit rate as the servers report it (``usage.prompt_tokens_details.cached_tokens`` over
-prompt tokens); effective throughput (the highest rate at 90% attainment, interpolated).
+The sessions are ``bench/conversations.py``'s (every range and target a flag); ``sim`` compares cache
+rules on ``SimulatedEngine`` in seconds. Measured at the client: attainment per class, goodput, TTFT
+p50/p90, the hit rate each server reports, effective throughput. The setup and results:
+docs/benchmarks.md ("Traffic that repeats itself").
 """
 
 from __future__ import annotations

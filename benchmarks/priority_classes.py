@@ -2,41 +2,12 @@
 
     python benchmarks/priority_classes.py [--json docs/benchmarks/priority/priority_classes.json]
 
-What it runs
-------------
-* Traces: ShareGPT- and LongBench-like (``workloads.make_trace``, Poisson), each request given a
-  service class by ``workloads.assign_classes`` (exact shares, seeded shuffle). Default classes
-  (``--classes NAME:SHARE:TTFT_MS:TBT_MS:PRIORITY ...``): 30% ``interactive`` (TTFT 1 s, P99 gap
-  100 ms, priority 0) and 70% ``batch`` (TTFT 30 s, P99 gap 1 s, priority 10; lower runs first).
-* Rates: first a capacity pass (``fcfs`` with every request on the most lenient class's SLOs, i.e.
-  class-blind, over ``--probe-rates``): the *sustainable rate* is its effective throughput at 90%
-  attainment. Then the sweep at ``--multiples`` of it (default 0.5, 1, 1.5, 2), or ``--rates-<workload>``.
-  One trace per workload, re-timed per rate (``with_rate``), the same for every policy.
-* Policies on the same trace and cache (378 pages of 16 = 6,048 KV tokens, 512-token budget, 64
-  sequences, watermarks off): ``apt`` with the tree's default weights (or ``--apt-weights``),
-  ``apt-1100`` (``--compare-weights``, default time=1 memory=1 slo=0 priority=0: the weights before
-  issue 16), ``priority``, ``sarathi``, ``fcfs``.
-* Per class: SLO attainment (finished, TTFT < its SLO, P99 gap < its SLO), finished share, longest
-  TTFT, and the longest *pending* time (arrival to first token, or between two tokens: what ``apt``'s
-  ``max_wait_time`` bounds), with the number of requests pending longer than ``max_wait_time``.
-* The aim (issue 16), checked at 1.5x the sustainable rate and printed as met or not: interactive
-  attainment >= 90% under ``apt``, batch absorbing the misses, no request pending past
-  ``max_wait_time``, ``apt`` >= ``priority`` on interactive attainment while finishing more batch
-  requests within their SLOs.
-
-Default mode: the simulator (``SimulatedEngine``: the real ``LLMEngine``, scheduler and policies on a
-cost-model runner and a simulated clock). Deterministic and fast (~45 s on 2 cores); it is
-a model of the engine's step times, not a measurement of them. Cost model: ``STORED_COST`` (what the
-engine measured at start on OPT-125m bf16, one thread, on this project's CPU; see
-docs/benchmarks.md), or ``--calibrate CHECKPOINT`` to measure one now.
-
-``--real CHECKPOINT``: the same on the real engine through ``bench/driver.replay`` in real time. The
-capacity pass would run in real time too: give the rate (here the simulator's for the same short
-trace) and keep it small on a 2-core box (~1.5 minutes):
-
-    python benchmarks/priority_classes.py --real ~/.cache/apt-serve-ray/opt-125m-bf16 --workloads sharegpt \
-        --sustainable sharegpt=4.286 --multiples 1.5 --num-requests 30 --max-output-len 64 \
-        --max-model-len 1024 --tag _real
+ShareGPT- and LongBench-like traces, each request given a service class (``--classes``; default 30%
+interactive, 70% batch); a class-blind ``fcfs`` pass finds the sustainable rate, then every policy runs
+at ``--multiples`` of it, on the simulator (deterministic; ``--calibrate`` measures its cost model now)
+or with ``--real CHECKPOINT`` on the engine in real time. Per class: attainment, longest TTFT and
+longest pending time; the issue's aim is checked at 1.5x. Setup and results: docs/benchmarks.md
+("Priorities and service classes").
 """
 
 from __future__ import annotations

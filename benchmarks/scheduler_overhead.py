@@ -2,43 +2,19 @@
 alone, and the whole decision an engine iteration pays.
 
     python benchmarks/scheduler_overhead.py --sizes 100 400 1600 6400 --json docs/benchmarks/scheduler_overhead.json
-    python benchmarks/scheduler_overhead.py --profile 1600   # cProfile of the whole decisions at one size
 
-(from the repository root, with the package installed or ``PYTHONPATH=.``). What is timed:
-
-* ``score_greedy_ms`` -- ``ValueWeights.value`` + ``urgency`` + ``knapsack.greedy_select`` on ready
-  numpy arrays of ``n`` candidates (random instances with realistic magnitudes: pending 0..10 s,
-  1..128 KV pages, hidden = half rounded up, capacity = 40% of the total KV need). No request
-  objects, no allocation: what the paper's figure measures (scoring and selecting: 0.3 ms for 50,
-  10.8 ms for 1,600 candidates, A100 host). ``t/(n log n)`` divides it by n*log2(n), normalised to
-  the first row: flat or falling means no worse than n log n.
-* ``full_decision_ms`` -- all of ``Scheduler.schedule()`` (its ``schedule_time_s``) with the ``apt``
-  policy, in an engine kept saturated at ``n`` candidates: the simulator's engine (the real
-  scheduler, page pool, policy and requests; no model), ``min(n / 2, max_num_seqs)`` of them running
-  and decoding, the rest waiting (prompts 16..512 tokens, TTFT SLO 2/4/8 s); memory fits the
-  running ones and about half of the waiting ones; after each step, arrivals top the candidates up
-  to ``n`` again. That is the candidates' state read, the value model, the greedy, and the choice
-  applied (admissions, preemptions, upgrades, pages allocated, chunks built) under the engine's
-  limits (``--max-num-seqs``, ``--max-num-batched-tokens``; default: ``EngineConfig``'s). Median
-  and p90 over ``--full-steps`` consecutive steps. ``--cache-ratio`` (default 1: no ceiling binds)
-  and ``--cache-kinds`` (default hidden) set the compressed kinds ``apt`` may choose among; at the
-  default rho the hidden kind does not pay for throughput on the simulator's cost model, so it is
-  not offered (``--rho-s-per-page 1e-7`` offers it).
-* ``first_sight_ms`` -- the first of those decisions, when every waiting request is new to the
-  policy and read in full (later ones read only the requests that changed: the running ones and
-  new arrivals). Garbage-collector passes land where they land, in both.
-* ``full_decision_all_run_ms`` (``--all-run``) -- the same with no batch limit (max_num_seqs = n,
-  64 n tokens): every candidate the memory allows is scheduled, so the per-request bookkeeping of
-  the batch (pages, chunks) dominates and grows with the batch, not with the choice.
+``score_greedy_ms``: value model + greedy on ready numpy arrays of n candidates (what the paper's
+figure times); ``full_decision_ms``: all of ``Scheduler.schedule()`` under ``apt`` in the simulator's
+engine kept saturated at n candidates (median and p90 over ``--full-steps``), ``first_sight_ms`` its
+first decision; ``--all-run``: the same with no batch limit. The JSON's ``what`` says each column;
+results: docs/benchmarks.md ("Scheduler decision time").
 """
 
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
 import math
-import pstats
 import time
 from pathlib import Path
 
@@ -138,8 +114,8 @@ class Scenario:
 
 
 def measure_full(n: int, steps: int, rng: np.random.Generator, rho: float, *, max_num_seqs: int, max_tokens: int,
-                 all_run: bool = False, profiler: cProfile.Profile | None = None, cache_ratio: float = 1.0,
-                 cache_kinds: tuple[str, ...] = ("hidden",), policy_options: dict | None = None) -> dict:
+                 all_run: bool = False, cache_ratio: float = 1.0, cache_kinds: tuple[str, ...] = ("hidden",),
+                 policy_options: dict | None = None) -> dict:
     """The decision time (``SchedulerOutput.schedule_time_s``: all of ``Scheduler.schedule()``) of
     ``steps`` consecutive engine steps at ``n`` candidates, after the first one (every waiting
     request new to the policy), which is reported apart."""
@@ -147,9 +123,6 @@ def measure_full(n: int, steps: int, rng: np.random.Generator, rho: float, *, ma
         max_num_seqs, max_tokens = n, 64 * n
     scenario = Scenario(n, rng, rho, max_num_seqs, max_tokens, cache_ratio, cache_kinds, policy_options)
     sched = scenario.sim.scheduler
-    if profiler is not None:
-        decide = sched.schedule
-        sched.schedule = lambda now=None: profiler.runcall(decide, now)
     first_ms, times, scheduled, running = None, [], [], []
     for k in range(steps + 1):
         num_running = len(sched.running)
@@ -168,15 +141,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=50, help="score + greedy instances timed per size")
     parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES), help="numbers of candidate requests")
-    parser.add_argument("--rho-s-per-page", type=float, default=4e-5, help="recompute cost of one page in seconds")
+    parser.add_argument("--rho-s-per-page", type=float, default=4e-5, help="recompute cost of one page in seconds "
+                        "(at 4e-5 the hidden kind does not pay on the simulator's cost model, so apt does not offer it; "
+                        "1e-7 offers it)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--full-steps", type=int, default=20, help="engine steps whose decision is timed (0: skip)")
     add_engine_args(parser, "max_num_seqs", "max_num_batched_tokens", "cache_ratio", "cache_kinds",
                     cache_ratio=Default(1.0, "no ceiling binds (0: KV only, apt then prices one kind); "
                                              "int8 kinds cost rho / 20"))
     parser.add_argument("--all-run", action="store_true", help="also time the decision with no batch limit")
-    parser.add_argument("--profile", type=int, default=None, metavar="N",
-                        help="profile the decisions of --full-steps steps at N candidates and print the top functions")
     parser.add_argument("--policy-options", type=json.loads, default={},
                         help='apt\'s keyword arguments as JSON, e.g. \'{"write_off_late": false}\'')
     parser.add_argument("--json", type=Path, default=None, help="write results to this file")
@@ -188,15 +161,6 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
     limits = dict(max_num_seqs=args.max_num_seqs, max_tokens=args.max_num_batched_tokens, cache_ratio=args.cache_ratio,
                   cache_kinds=tuple(args.cache_kinds), policy_options=args.policy_options)
-
-    if args.profile is not None:
-        profiler = cProfile.Profile()
-        res = measure_full(args.profile, max(1, args.full_steps), rng, args.rho_s_per_page, profiler=profiler,
-                           all_run=args.all_run, **limits)
-        print(f"{args.profile} candidates: whole decision median {res['median_ms']:.3f} ms "
-              f"({res['num_scheduled']} scheduled); profile of all repeats:")
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
-        return
 
     results = []
     print(f"whole decision: apt, max_num_seqs={args.max_num_seqs}, max_num_batched_tokens={args.max_num_batched_tokens}"

@@ -1,21 +1,12 @@
 """What the Ray Serve path adds to TTFT and inter-token gaps, against the same engine in-process.
 
-The same requests (token-id prompts, greedy, fixed output length) go, one after another, to
+    python benchmarks/serve_overhead.py --dtype auto --num-threads 1 --json docs/benchmarks/serve_overhead.json
 
-1. an ``AsyncLLMEngine`` in this process, built from the app's own engine config;
-2. the Serve app over HTTP (``/v1/completions``, SSE streaming): proxy -> router -> engine replica;
-3. the Serve app through a Python handle (``completions_stream``): router -> engine replica;
-4. the engine replica's own handle (``generate``): one Ray hop, and the engine's own TTFT as it
-   reports it, which splits the overhead into "the engine ran slower in its replica" (CPU and GIL
-   shared with Ray's threads) and "the tokens took longer to arrive" (transport).
-
-Times are taken where the caller sees the tokens. The Serve path may merge tokens that pile up while
-Ray is still sending the previous ones (``deployments/streaming.py``); gaps are reported per chunk and
-the chunks-per-token ratio says how often that happened. Also prints the memory (RSS) of every process
-of the Ray instance, by role.
-
-    python benchmarks/serve_overhead.py                       # the default model, 1 engine replica
-    python benchmarks/serve_overhead.py --model /path/to/ckpt --num-requests 50 --max-tokens 128
+The same requests (token-id prompts, greedy, fixed output length) go one after another through four
+paths: an ``AsyncLLMEngine`` here, the Serve app over HTTP, the app's handle, and the engine replica's
+handle (with the engine's own TTFT, to tell a slower engine from slower transport); gaps per streamed
+chunk (chunks per token says how often tokens were merged). Also the RSS of every process of the Ray
+instance. Results: docs/serving.md ("What the Serve path costs").
 """
 
 from __future__ import annotations

@@ -2,55 +2,12 @@
 
     python benchmarks/serving_policies.py --quick [--json docs/benchmarks/serving_policies_quick.json]
 
-(from the repository root, with the package installed or ``PYTHONPATH=.``). ``--quick`` takes 6-8
-minutes on a 2-core CPU; without it (48 requests per rate, 5 rates, ``max_model_len`` 1024, outputs
-<= 128) about 1.5 hours. Results and their reading: ``docs/benchmarks.md``.
-
-What it runs (SPEC section 3, issue 5)
---------------------------------------
-* Model: a random-weight OPT-125m-shape checkpoint in bfloat16 (MHA, so a hidden page holds 2x the
-  tokens of a KV page), built once under ``--cache-dir``.
-* Memory: 378 pages of 16 tokens = 6,048 tokens of K/V (~223 MB in bf16), the bytes of the vLLM
-  peer's ``--block-size 32 --num-gpu-blocks-override 189`` (SPEC section 3). ``--quick`` halves the
-  lengths (``max_model_len`` 512) and the pages with them (189 = 3,024 KV tokens): a ShareGPT-like
-  request then holds ~270 tokens and a LongBench-like one ~450, so 6 to 11 requests fit with a full
-  KV cache and memory, not ``--max-num-seqs 64``, caps the batch (the runs' peak pages show it).
-* Workloads: ``workloads.make_trace`` ShareGPT-like and LongBench-like traces (Gamma arrivals,
-  ``--cv``), outputs fixed per request (ignore EOS) and capped (quick: 64 / 32 tokens); one base trace
-  per workload, re-timed for every rate (``with_rate``: same requests, gaps rescaled), the same trace
-  per rate for every policy.
-* Policies, one engine each, loaded once and reused for every rate and workload (``driver.reset``
-  checks each run leaves it idle with every page free); all with the same token budget
-  (``--max-num-batched-tokens``), ``cache_ratio=0`` and the watermarks off:
-
-  - ``fcfs``, ``sarathi``, ``priority``: the vLLM-style baselines, KV pages only (hidden target 0).
-    Every trace request has priority 0, so ``priority`` makes sarathi's decisions: its spread
-    against ``sarathi`` is a read-out of the run-to-run noise of this machine.
-  - ``apt``: the adaptive policy with the hybrid cache; rho and its step-time model are calibrated
-    by the engine at start (``calibrate_rho=True``: the path a user gets), recorded in the JSON.
-  - ``apt-kv``: the same policy with the hybrid cache OFF (``enable_hybrid_cache=False``): the
-    policy sees ``ctx.hidden_allowed == False`` and never offers the hidden kind. (A huge rho would
-    not do it: when every request has missed, ``U = 0`` and the hidden price ``U * rho * m`` is 0;
-    ``cache_ratio`` is not read by ``apt``.)
-* Rates are swept with the policies interleaved per rate in a rotating order, so slow phases of a
-  shared machine hit every policy alike; ``--repeats N`` runs each (rate, policy) N times and
-  averages the attainment. ``--threads 1``: on a shared 2-core machine two torch
-  threads spin against other processes and steps get several times slower.
-* SLOs: ``--ttft-slo-ms`` / ``--tbt-slo-ms`` (default 4,000 / 1,000 ms: the SPEC's TTFT for the peer
-  and its looser TBT, as one 512-token prefill chunk alone takes ~0.5 s with one CPU thread), or
-  ``--slo-scale S``: S x the unloaded TTFT / TPOT measured per workload at the start
-  (``driver.measure_unloaded_latency``: the trace's P90 prompt, one request at a time).
-* Effective throughput: ``slo_metrics.effective_throughput`` at 90% and 60% attainment (if every
-  rate passes, it is the highest rate measured: the sweep did not find the limit).
-
-``--simulate`` runs the same traces, policies and page pool on ``SimulatedEngine``'s clock with the
-cost model calibrated here (``SIM_COST``): deterministic, seconds instead of minutes, for diagnosis
-(60+ requests, dense rates); it is not a measurement of the engine.
-
-Outputs: a table on stdout; ``--json`` (``effective_throughput[workload][policy]["90"|"60"]`` in req/s,
-per-run summaries incl. TTFT vs TBT misses, preemptions by cause, peak pages by kind, scheduler
-ms/iteration, the calibrations and the git state); PNG plots in ``--out-dir``: attainment vs rate,
-TTFT / inter-token-gap CDFs at the highest rate, the memory timeline by cache kind of apt there.
+One in-process engine per policy (random-weight OPT-125m shape), the same ShareGPT- / LongBench-like
+traces re-timed for every rate, policies interleaved per rate; ``--simulate`` runs the same on
+``SimulatedEngine``'s clock with the stored cost model (or one measured now, ``--calibrate``). Outputs:
+a table, ``--json`` (``effective_throughput[workload][policy]["90"|"60"]``, per-run summaries, the
+calibrations) and plots in ``--out-dir``. What runs, the defaults' reasons and the results:
+docs/benchmarks.md ("Policies on the real engine", "Policies on a simulated clock").
 """
 
 from __future__ import annotations
@@ -70,7 +27,7 @@ from apt_serve_ray.bench.engine_args import PEER_MATCHED, Default, add_cache_dir
     random_checkpoint
 from apt_serve_ray.bench.report import stamp, write_json
 from apt_serve_ray.bench.servers import REPO
-from apt_serve_ray.bench.simulator import CPU_OPT125M, CPU_OPT125M_RHO, simulated_engine
+from apt_serve_ray.bench.simulator import CPU_OPT125M, CPU_OPT125M_RHO, calibrated_cost, simulated_engine
 from apt_serve_ray.bench.slo_metrics import effective_at, format_ratio, mean_by_rate
 from apt_serve_ray.bench.workloads import make_trace, with_rate
 from apt_serve_ray.config import EngineConfig
@@ -141,29 +98,28 @@ class EngineRunner:
                                                       "hidden_s_per_token": m.hidden_seconds_per_token}}
 
 
-SIM_COST, SIM_RHO = CPU_OPT125M, CPU_OPT125M_RHO  # bench/simulator.py: calibrated here, 1 thread, bf16
-
-
 class SimulatedRunner:
-    """``--simulate``: the same policy, page pool and trace on a simulated clock (``SIM_COST``)."""
+    """``--simulate``: the same policy, page pool and trace on a simulated clock (``cost``, ``rho``)."""
 
-    def __init__(self, name: str, args) -> None:
-        self.name, self.args = name, args
+    def __init__(self, name: str, args, cost, rho: float) -> None:
+        self.name, self.args, self.cost, self.rho = name, args, cost, rho
 
     def warm_up(self, base) -> None:
         pass
 
     def run(self, trace, slo: dict, args, desc: str, run_id: str):
-        name, is_apt = self.name, self.name.startswith("apt")
+        name = self.name
         config = EngineConfig(policy=policy_of(name), calibrate_rho=False, enable_watermarks=False,
                               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                               **cache_options(name))
-        sim = simulated_engine(config, cost=SIM_COST, rho=SIM_RHO, num_pages=args.num_pages,
+        sim = simulated_engine(config, cost=self.cost, rho=self.rho, num_pages=args.num_pages,
                                max_model_len=args.max_model_len)
         return replay_simulated(sim, trace, ttft_slo_ms=slo["ttft_ms"], tbt_slo_ms=slo["tbt_ms"])
 
     def calibration(self) -> dict | None:
-        return {"rho_s_per_page": SIM_RHO, "cost_model": dataclasses.asdict(SIM_COST)} if self.name.startswith("apt") else None
+        if self.name.startswith("apt"):
+            return {"rho_s_per_page": self.rho, "cost_model": dataclasses.asdict(self.cost),
+                    "calibrated_on": self.args.calibrate or "stored (bench/simulator.py CPU_OPT125M)"}
 
 
 # One workload ------------------------------------------------------------------------------------
@@ -184,7 +140,7 @@ def run_workload(workload: str, runners: dict, args) -> dict:
         unloaded = measure_unloaded_latency(runners.get("sarathi", next(iter(runners.values()))).llm, base)
         slo = {"ttft_ms": args.slo_scale * unloaded["ttft_ms"], "tbt_ms": args.slo_scale * unloaded["tpot_ms"],
                "scale": args.slo_scale, "unloaded": unloaded}
-    rates = sorted(args.rates or MODES[args.mode]["rates"][workload])
+    rates = sorted(getattr(args, f"rates_{workload}", None) or args.rates or MODES[args.mode]["rates"][workload])
     policies = list(runners)
     runs: dict[str, list[dict]] = {p: [] for p in policies}
     results = {}
@@ -261,6 +217,8 @@ def main(argv=None) -> int:
     ap.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES),
                     help=f"any of {' '.join(DEFAULT_POLICIES)} (default all)")
     ap.add_argument("--rates", type=float, nargs="+", default=None, help="req/s (default: per workload and mode)")
+    for w in MODES["full"]["rates"]:
+        ap.add_argument(f"--rates-{w}", type=float, nargs="+", default=None, help=f"{w}'s (over --rates)")
     ap.add_argument("--num-requests", type=int, default=None)
     ap.add_argument("--max-output-len", type=int, default=None)
     per_mode = "per mode (MODES): 378 pages and 1024 tokens, --quick 189 and 512: memory binds at either size"
@@ -278,6 +236,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--simulate", action="store_true",
                     help="simulated clock with the calibrated CPU cost model instead of the engine (seconds, exact)")
+    ap.add_argument("--calibrate", default=None, metavar="CHECKPOINT",
+                    help="--simulate: measure the cost model on this checkpoint now (default: the stored one)")
     args = ap.parse_args(argv)
     args.mode = "quick" if args.quick else "full"
     for key in ("num_requests", "max_model_len", "max_output_len", "num_pages"):
@@ -293,7 +253,9 @@ def main(argv=None) -> int:
 
     start = time.perf_counter()
     if args.simulate:
-        runners = {name: SimulatedRunner(name, args) for name in args.policies}
+        cost, rho = calibrated_cost(args.calibrate, args.dtype) if args.calibrate else \
+            (CPU_OPT125M, CPU_OPT125M_RHO)  # bench/simulator.py: calibrated here, 1 thread, bf16
+        runners = {name: SimulatedRunner(name, args, cost, rho) for name in args.policies}
     else:
         path = random_checkpoint("opt-125m", args.cache_dir)
         runners = {name: EngineRunner(name, path, args) for name in args.policies}

@@ -2,20 +2,10 @@
 
     python benchmarks/swap_cost.py [--threads 1] [--swap-dir DIR] [--json out.json]
 
-(from the repository root, with the package installed or ``PYTHONPATH=.``).
-
-On the random-weight OPT-125m-shape checkpoint (built once under ``--cache-dir``), in bfloat16 and
-float32, an engine with ``swap_space`` 1 GiB (a memory-mapped file on CPU) reports:
-
-* the transfer cost the engine measured at start (``SwapSpace.measure_bandwidth``: 8 pages out and
-  back, fastest of 3 after a pass that touches the file's blocks) and the same for 32 and 128 pages,
-  the first pass into fresh slots (cold: the file's blocks are allocated then) kept apart;
-* what a preemption without the tier costs instead: recomputing the pages' tokens, from the engine's
-  step-time model (``calibration.step_time_model``, the model ``Scheduler.should_swap`` prices with:
-  ``predict(n, n) - predict(0, 0)`` for n computed tokens) and from a timed prefill of n tokens;
-* rho (``calibrate_rho``) for scale: what one page costs per decode step when held hidden.
-
-Timings are the fastest of a few repeats (interference from other processes only adds time).
+On the random-weight OPT-125m shape in bf16 and fp32 with a 1 GiB tier: the transfer cost the engine
+measured at start and the same for 32 and 128 pages (the first pass into fresh slots apart), against
+recomputing the pages (the step-time model ``Scheduler.should_swap`` prices with, and a timed
+prefill), with rho for scale; fastest of a few repeats. Results: docs/benchmarks.md ("Cache kinds").
 """
 
 from __future__ import annotations

@@ -54,8 +54,8 @@ class CostModel:
 
 # Cost models measured on this project's 2-core CPU machines for the OPT-125m shape in bf16, one thread,
 # and rho (seconds per 16-token page per step): before the engine's C++ attention kernels
-# (policy_simulation.py's and serving_policies.py's default; rho from hidden_cache_cost.py), and what the
-# engine measured for ``apt`` at start with them (priority_classes.py's; docs/benchmarks/policy_simulation.json).
+# (serving_policies.py --simulate's default; rho from hidden_cache_cost.py, now decode_step.py --flop-model),
+# and what the engine measured for ``apt`` at start with them (priority_classes.py's; policy_simulation.json).
 CPU_OPT125M = CostModel(base_s=0.0195, per_token_s=0.00113, per_context_s=0.000015, hidden_context_s=0.000139)
 CPU_OPT125M_RHO = 0.00222
 CPU_OPT125M_KERNELS = CostModel(base_s=0.01055, per_token_s=0.000582, per_context_s=2.96e-06, hidden_context_s=3.32e-06)

@@ -62,7 +62,7 @@ from pathlib import Path
 import numpy as np
 
 _STREAM_LENGTHS, _STREAM_GAPS, _STREAM_TOKENS, _STREAM_CLASSES = range(4)
-# The structured-output requests' schema (grammar_mask.py, sampling_cost.py): nested, bounded, enums.
+# The structured-output requests' schema (sampling_cost.py, also --grammars): nested, bounded, enums.
 JSON_SCHEMA = {
     "type": "object",
     "properties": {

@@ -5,8 +5,8 @@ allow before each token is sampled.
     params = SamplingParams(structured_output=StructuredOutput(json={"type": "object", ...}))
 
 A grammar library does the matching (``GRAMMAR_BACKENDS``; the engine's ``structured_output_backend``):
-``llguidance`` by default, ``xgrammar`` as the other (``benchmarks/grammar_mask.py`` measures both). The
-engine compiles a request's grammar when the request arrives (a bad schema or regex is a ``ValueError``
+``llguidance`` by default, ``xgrammar`` as the other (``benchmarks/sampling_cost.py --grammars`` measures
+both). The engine compiles a request's grammar when the request arrives (a bad schema or regex is a ``ValueError``
 naming the field then, never a failure mid-generation) and keeps one matcher per request in the
 sampler: its state is the output so far, which a preemption, a swap or a change of cache kind keep,
 so it survives them all. When the grammar is complete the request stops (finish reason "stop").
