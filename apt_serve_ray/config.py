@@ -53,8 +53,9 @@ class EngineConfig:
     # and no cheaper kind holds as many). The default is the exact hybrid cache; the int8 kinds
     # ("kv-int8", "hidden-int8") are lossy and opt-in, like vLLM's kv_cache_dtype.
     cache_kinds: tuple[str, ...] = ("hidden",)
-    # A tier below memory for preempted requests' pages (GiB; vLLM's swap_space): host memory when the
-    # engine runs on a GPU, a memory-mapped file in ``swap_dir`` (default: the temp dir) on CPU.
+    # A tier below memory for preempted requests' pages and evicted prefixes (GiB; vLLM's swap_space):
+    # host memory (pinned on a GPU, anonymous and reserved lazily on CPU), or a sparse memory-mapped
+    # file in ``swap_dir`` where one is given (CPU; at most half the memory available is taken otherwise).
     # 0: no tier, preempted requests are recomputed. Measured on CPU: a page out and back in ~0.1 ms
     # against 8-16 ms to recompute it; what lets ``apt`` evict unimportant requests for important ones.
     swap_space: float = 4.0

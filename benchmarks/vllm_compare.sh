@@ -42,7 +42,7 @@ common=(--shape "$shape" --dtype "$dtype" --threads "$threads" --num-pages 378 -
         --json "$OUT/compare.json" --disable-tqdm "${phase[@]}")
 servers=${SERVERS:-both}
 if [ "$servers" != ours ]; then
-    .venv/bin/python benchmarks/peer_sweep.py --start vllm-nopc --label "vllm-$short-${threads}t$run" \
+    .venv/bin/python benchmarks/peer_sweep.py --start vllm --label "vllm-$short-${threads}t$run" \
         --server-args "${VLLM_ARGS:-}" "${common[@]}" || true
 fi
 [ "$servers" = vllm ] && exit 0

@@ -53,13 +53,15 @@ def _fill(storage: CacheStorage, kind: CacheKind, pages: list[int], gen: torch.G
             data[p], scale[p] = q, s.view(len(pages), *scale.shape[1:])
 
 
+@pytest.mark.parametrize("backing", ["anonymous", "file"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", list(CacheKind))
-def test_pages_of_every_kind_round_trip_byte_exact(tmp_path, kind, dtype):
+def test_pages_of_every_kind_round_trip_byte_exact(tmp_path, kind, dtype, backing):
     layout = CacheLayout(2, 4, 16, 64, 16, torch.finfo(dtype).bits // 8)
     storage = CacheStorage(layout, 12, "cpu", dtype)
-    swap = SwapSpace(layout, 6, device="cpu", swap_dir=str(tmp_path))
-    assert os.listdir(tmp_path) == []  # the file is unlinked once mapped: nothing is left behind
+    swap = SwapSpace(layout, 6, device="cpu", swap_dir=str(tmp_path) if backing == "file" else None)
+    assert os.listdir(tmp_path) == []  # a file is unlinked once mapped: nothing is left behind
+    assert ("memory-mapped file" if backing == "file" else "anonymous host memory") in swap.describe()
     gen = torch.Generator().manual_seed(0)
     _fill(storage, kind, [1, 4, 7], gen)
     before = [b[[1, 4, 7]].clone() for b in storage.bytes]
@@ -409,6 +411,19 @@ def test_the_tier_holds_no_more_than_its_filesystem_has_free(monkeypatch, tmp_pa
     assert tier.num_slots == 9 and "the tier holds 9 pages" in caplog.text
     monkeypatch.setattr(swap_module.shutil, "disk_usage", lambda _: usage(0, 0, 0))
     assert swap_module.make_swap_space(1.0, str(tmp_path), MHA_LAYOUT, SimpleNamespace(storage=storage)) is None
+
+
+def test_a_tier_in_memory_takes_at_most_half_the_memory_available(monkeypatch, caplog):
+    from types import SimpleNamespace
+
+    from apt_serve_ray.cache import swap as swap_module
+    from apt_serve_ray.cache.storage import CacheStorage
+
+    storage = CacheStorage(MHA_LAYOUT, 4, "cpu", {2: torch.bfloat16, 4: torch.float32}[MHA_LAYOUT.dtype_bytes])
+    monkeypatch.setattr(swap_module, "_available_memory", lambda: 20 * MHA_LAYOUT.bytes_per_page)
+    tier = swap_module.make_swap_space(1.0, None, MHA_LAYOUT, SimpleNamespace(storage=storage))
+    assert tier.num_slots == 10 and "the tier holds 10 pages" in caplog.text
+    assert "anonymous host memory" in tier.describe()
 
 
 def test_memory_timeline_shows_pages_in_the_swap_tier(opt_tiny, tmp_path):
