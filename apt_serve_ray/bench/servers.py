@@ -82,6 +82,8 @@ OURS_VARIANTS = {
     "ours-nopc": dict(enable_prefix_caching=False),
     # apt's admission as before issue 44: no promise, no reservation, nobody written off
     "ours-open": dict(policy_options={"admission_share": None, "reserve_after": None, "write_off_late": False}),
+    # the margin on a step's prediction from the P99 of its measured error, not the envelope (issue 44, item 4)
+    "ours-p99": dict(policy_options={"step_margin_quantile": 0.99}),
 }
 # vLLM with its defaults (FCFS, prefix caching on), with priorities (told each request's), without
 # prefix caching (a lab baseline: users run vLLM with it on).
