@@ -15,7 +15,7 @@ import hashlib
 from array import array
 from dataclasses import dataclass
 
-from apt_serve_ray.cache.kinds import CacheKind
+from apt_serve_ray.cache.kinds import KINDS, CacheKind
 from apt_serve_ray.cache.layout import CacheLayout
 from apt_serve_ray.cache.page_pool import PagePool
 from apt_serve_ray.cache.tier import Tier
@@ -129,7 +129,7 @@ class PrefixCache:
         # A kind with no named page in memory and none demoted to the tier holds nothing to find: no
         # hashing, no lookups (most of a decision's lookups, with 1,600 waiting, found nothing that way).
         best = self._find_in(request, kind) if named(kind) or kind in in_tier else None
-        for prefix_kind in CacheKind:
+        for prefix_kind in KINDS:  # a tuple: iterating the enum costs a generator a call
             if prefix_kind is not kind and named(prefix_kind) and cross_kind_prefix(prefix_kind, kind):
                 match = self._find_after(request, prefix_kind, kind)
                 if match is not None and (best is None or match.num_tokens > best.num_tokens):
