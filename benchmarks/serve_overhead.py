@@ -44,10 +44,14 @@ def app_args(a: argparse.Namespace) -> dict:
     return {"model": a.model, "num_replicas": 1, "num_cpus_per_replica": 1, **engine_kwargs(a), "max_num_seqs": 16}
 
 
-def prompts(a: argparse.Namespace, vocab: int) -> list[list[int]]:
-    # Distinct, deterministic prompts of exactly prompt_len tokens (ids clear of special tokens).
-    return [[100 + (i * 7919 + j * 104729) % (vocab - 200) for j in range(a.prompt_len)]
-            for i in range(a.num_requests + 2)]
+def prompts(a: argparse.Namespace, vocab: int, num_paths: int = 4) -> list[list[list[int]]]:
+    # Distinct, deterministic prompts of exactly prompt_len tokens (ids clear of special tokens), one for
+    # each path at each turn: a prompt sent through one path would be a prefix-cache hit in the next
+    # (the Serve paths share one engine).
+    def one(i: int) -> list[int]:
+        return [100 + (i * 7919 + j * 104729) % (vocab - 200) for j in range(a.prompt_len)]
+
+    return [[one(num_paths * i + k) for k in range(num_paths)] for i in range(a.num_requests + 2)]
 
 
 class Timeline:
@@ -181,8 +185,8 @@ def main() -> None:
                 paths = {"in_process": in_process, "serve_http": lambda p: http_request(a, client, p),
                          "serve_handle": lambda p: app_handle_request(a, app_handle, p),
                          "engine_handle": lambda p: engine_handle_request(a, engine, p)}
-                for i, prompt in enumerate(requests):
-                    for name, path in paths.items():
+                for i, turn in enumerate(requests):
+                    for (name, path), prompt in zip(paths.items(), turn):
                         start, arrivals, n, *engine_ttft = path(prompt)
                         if i >= 2:  # the first two warm up
                             timelines[name].record(start, arrivals, n)
