@@ -1,6 +1,7 @@
 """Reliability scenarios against the Ray Serve app (``benchmarks/reliability.py`` runs them by name;
 ``tests/serve/test_serve_reliability.py`` runs their fast variants), bounded in time and request
-count, on loopback.
+count, on loopback. A request's outcome is read by ``bench/outcomes.py``, the app's processes and
+state by ``bench/app_probe.py``.
 
 Every request ends in exactly one outcome, as the client sees it:
 
@@ -21,213 +22,18 @@ to full attainment.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 from dataclasses import dataclass, field
 
-from apt_serve_ray.bench.http_client import closed_loop, read_stream
+from apt_serve_ray.bench.app_probe import (Sampler, app_processes, controller_state, open_files, pages_state,
+                                           rss_by_role, rss_bytes, wait_until_idle)
+from apt_serve_ray.bench.http_client import closed_loop
+from apt_serve_ray.bench.outcomes import MAX_TOKENS, PROMPT_LEN, Tally, make_client, one_request, request_body
 from apt_serve_ray.bench.servers import free_port
 
-OUTCOMES = ("completed", "cut", "rejected", "failed", "dropped", "lost", "bad_rejection")
-PROMPT_LEN, MAX_TOKENS = 32, 64
-
-
-# One request ----------------------------------------------------------------------------------------
-@dataclass
-class Result:
-    outcome: str
-    status: int | None = None
-    ttft_s: float | None = None  # to the first streamed text
-    latency_s: float = 0.0
-    code: str | None = None  # the OpenAI error's code
-    sent: float = 0.0  # when it was sent (monotonic)
-
-
-@dataclass
-class Tally:
-    results: list[Result] = field(default_factory=list)
-
-    def add(self, result: Result) -> None:
-        self.results.append(result)
-
-    def counts(self) -> dict[str, int]:
-        counts = {o: 0 for o in OUTCOMES}
-        for r in self.results:
-            counts[r.outcome] += 1
-        counts["sent"] = len(self.results)
-        counts["accepted"] = sum(1 for r in self.results if r.status == 200)
-        return counts
-
-
-def _is_openai_error(payload) -> bool:
-    error = payload.get("error") if isinstance(payload, dict) else None
-    return isinstance(error, dict) and bool(error.get("message")) and {"type", "code"} <= set(error)
-
-
-async def one_request(client, body: dict, timeout_s: float = 120.0, cut_after_chunks: int | None = None) -> Result:
-    """Send one streaming completion (``client``: ``make_client``'s); with ``cut_after_chunks`` close
-    the connection after that many events (the outcome is then ``cut``)."""
-    import httpx
-
-    start, seen = time.monotonic(), {}  # seen: the status, once the answer's headers came
-    try:
-        result = await asyncio.wait_for(_stream(client, body, start, cut_after_chunks, seen), timeout_s)
-    except (TimeoutError, asyncio.TimeoutError, httpx.TimeoutException) as exc:
-        result = Result("lost", seen.get("status"), latency_s=time.monotonic() - start, code=type(exc).__name__)
-    except httpx.HTTPError as exc:
-        result = Result("dropped", seen.get("status"), latency_s=time.monotonic() - start, code=type(exc).__name__)
-    result.sent = start
-    return result
-
-
-async def _stream(client, body: dict, start: float, cut_after_chunks: int | None, seen: dict) -> Result:
-    async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-        seen["status"] = r.status_code
-        if r.status_code != 200:
-            raw = await r.aread()
-            try:
-                payload = json.loads(raw)
-            except ValueError:
-                payload = None
-            code = payload["error"].get("code") if _is_openai_error(payload) else None
-            if r.status_code in (429, 503):
-                ok = _is_openai_error(payload) and r.headers.get("retry-after", "").isdigit()
-                return Result("rejected" if ok else "bad_rejection", r.status_code,
-                              latency_s=time.monotonic() - start, code=code)
-            return Result("failed", r.status_code, latency_s=time.monotonic() - start, code=code)
-        read = await read_stream(r.aiter_bytes(), lambda: time.monotonic() - start, cut_after_chunks)
-        ttft = read.token_times[0] if read.token_times else None
-        latency = time.monotonic() - start
-        if read.error is not None:
-            return Result("failed", 200, ttft, latency, read.error_code)
-        if read.cut:
-            return Result("cut", 200, ttft, latency)
-        if read.done and read.finish_reason is not None:
-            return Result("completed", 200, ttft, latency)
-        return Result("dropped", 200, ttft, latency, "stream ended without [DONE]")
-
-
-def request_body(model: str, prompt_len: int, max_tokens: int, rng: random.Random) -> dict:
-    return {"model": model, "prompt": [rng.randrange(100, 30000) for _ in range(prompt_len)],
-            "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
-
-
-def make_client(base_url: str, headers: dict | None = None):
-    import httpx
-
-    return httpx.AsyncClient(base_url=base_url, headers=headers or {}, timeout=httpx.Timeout(180.0),
-                             limits=httpx.Limits(max_connections=4096, max_keepalive_connections=256))
-
-
-# The app's processes --------------------------------------------------------------------------------
-def app_processes(app: str, with_proxy: bool = False) -> list:
-    """The app's Serve replica processes (router, controller, engine replicas: ``ray::ServeReplica:<app>:``)
-    and their children (each engine replica's engine process); with ``with_proxy`` Serve's HTTP proxies."""
-    import psutil
-
-    found, prefixes = [], (f"ray::ServeReplica:{app}:",) + (("ray::ProxyActor",) if with_proxy else ())
-    for proc in psutil.process_iter(["cmdline"]):
-        cmdline = proc.info.get("cmdline") or []
-        if cmdline and cmdline[0].startswith(prefixes):
-            found.append(proc)
-            found.extend(proc.children(recursive=True))
-    return found
-
-
-def rss_bytes(app: str) -> int:
-    """RSS of the app's processes and the HTTP proxy (which buffers what the routers refuse too)."""
-    total = 0
-    for proc in app_processes(app, with_proxy=True):
-        try:
-            total += proc.memory_info().rss
-        except Exception:  # noqa: BLE001 - a process that ended between the listing and the read
-            pass
-    return total
-
-
-def rss_by_role(app: str) -> dict[str, float]:
-    """MiB per role: each deployment's replicas, their children (the engine processes) and the proxy."""
-    roles: dict[str, float] = {}
-    for proc in app_processes(app, with_proxy=True):
-        try:
-            name = proc.cmdline()[0]
-            role = "proxy" if name.startswith("ray::ProxyActor") else (
-                name.split(":")[4].split(".")[0] if name.startswith("ray::ServeReplica:") else "engine_process")
-            roles[role] = round(roles.get(role, 0.0) + proc.memory_info().rss / 2**20, 1)
-        except Exception:  # noqa: BLE001 - a process that ended between the listing and the read
-            pass
-    return roles
-
-
-def open_files(app: str) -> int:
-    total = 0
-    for proc in app_processes(app):
-        try:
-            total += proc.num_fds()
-        except Exception:  # noqa: BLE001
-            pass
-    return total
-
-
-class Sampler:
-    """RSS of the app's processes every ``interval_s`` in the background: peak and the series."""
-
-    def __init__(self, app: str, interval_s: float = 0.5) -> None:
-        self.app, self.interval_s, self.series = app, interval_s, []
-        self._task: asyncio.Task | None = None
-
-    async def __aenter__(self):
-        self._task = asyncio.create_task(self._run())
-        return self
-
-    async def __aexit__(self, *exc):
-        self._task.cancel()
-
-    async def _run(self) -> None:
-        start = time.monotonic()
-        while True:
-            rss = await asyncio.to_thread(rss_bytes, self.app)
-            self.series.append((round(time.monotonic() - start, 2), rss))
-            await asyncio.sleep(self.interval_s)
-
-    @property
-    def peak(self) -> int:
-        return max((rss for _, rss in self.series), default=0)
-
-
-# The cluster's state --------------------------------------------------------------------------------
-def controller_state(app: str):
-    from ray import serve
-
-    return serve.get_deployment_handle("Controller", app).get_state.remote().result(timeout_s=10)
-
-
-def pages_state(app: str) -> dict:
-    """Free / total pages and running requests over the engine replicas (their last reports)."""
-    loads = controller_state(app).replicas.values()
-    return {"num_replicas": len(loads), "num_pages": sum(r.num_pages for r in loads),
-            "num_free_pages": sum(r.num_free_pages for r in loads), "num_running": sum(r.num_running for r in loads),
-            "num_waiting": sum(r.num_waiting for r in loads)}
-
-
-async def wait_until_idle(app: str, base_url: str, headers: dict | None, num_replicas: int,
-                          timeout_s: float = 60.0) -> float | None:
-    """Seconds until every page is free, nothing runs and the router holds no slot; None on timeout."""
-    start = time.monotonic()
-    async with make_client(base_url, headers) as client:
-        while time.monotonic() - start < timeout_s:
-            try:
-                pages = await asyncio.to_thread(pages_state, app)
-                health = (await client.get("/health")).json()
-                if (pages["num_replicas"] == num_replicas and pages["num_free_pages"] == pages["num_pages"]
-                        and pages["num_running"] == pages["num_waiting"] == 0
-                        and health.get("requests_in_flight") == 0 and health.get("requests_waiting") == 0):
-                    return time.monotonic() - start
-            except Exception:  # noqa: BLE001 - a controller or router being replaced: ask again
-                pass
-            await asyncio.sleep(0.25)
-    return None
+__all__ = ["Target", "app_args", "deploy", "overload", "streams_cut", "kill_during_load", "soak", "multinode",
+           "sustainable_rate", "time_to_attainment", "pages_state", "wait_until_idle", "rss_by_role", "open_files"]
 
 
 # Scenarios ------------------------------------------------------------------------------------------
