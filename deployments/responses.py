@@ -13,6 +13,7 @@ import contextlib
 from typing import AsyncIterator
 
 from apt_serve_ray.engine.outputs import OVERLOADED
+from deployments import openai_objects as objects
 from deployments import openai_protocol as oai
 from deployments.controller_link import RETRY_AFTER_S
 from deployments import tools
@@ -54,7 +55,7 @@ class _Usage:
 
     def body(self) -> dict:
         cached = [c for _, c in self.prompts.values() if c is not None]
-        return oai.usage(sum(p for p, _ in self.prompts.values()), self.num_output, sum(cached) if cached else None)
+        return objects.usage(sum(p for p, _ in self.prompts.values()), self.num_output, sum(cached) if cached else None)
 
 
 async def collect(opened: Opened) -> dict:
@@ -68,9 +69,9 @@ async def collect(opened: Opened) -> dict:
     usage, choices = _Usage(), []
     for (choice, first, _), (text, reason, num_output, num_cached, extra) in zip(opened, results):
         usage.add(choice, first, num_output, num_cached)
-        body = oai.completion(choice.request_id, choice.body.model, text, reason, {}, chat=choice.chat, **extra)
+        body = objects.completion(choice.request_id, choice.body.model, text, reason, {}, chat=choice.chat, **extra)
         choices.append({**body["choices"][0], "index": choice.index})
-    response = oai.completion(prepared.request_id, prepared.body.model, "", None, usage.body(), chat=prepared.chat,
+    response = objects.completion(prepared.request_id, prepared.body.model, "", None, usage.body(), chat=prepared.chat,
                               created=prepared.created)
     response["choices"] = choices
     return response
@@ -89,7 +90,7 @@ async def _collect_one(prepared: Prepared, first: StreamItem, items: AsyncIterat
     if item.is_failed:
         raise failure(item)
     extra = {"token_ids": _token_ids(prepared, ids, first=True), "logprobs": _logprobs(prepared, ids, logprobs)}
-    text, reason = "".join(texts), oai.finish_reason(item.finish_reason)
+    text, reason = "".join(texts), objects.finish_reason(item.finish_reason)
     if prepared.chat and prepared.body.calls_tools:
         text, extra["tool_calls"] = tools.parse(text, prepared.body)
         if extra["tool_calls"] and reason == "stop":
@@ -114,7 +115,7 @@ def _logprobs(prepared: Prepared, ids, logprobs, offset: int = 0) -> dict | None
     num_top = prepared.body.num_logprobs
     if num_top is None:
         return None
-    return oai.logprobs_object(ids, logprobs, num_top, prepared.token_text, chat=prepared.chat, offset=offset)
+    return objects.logprobs_object(ids, logprobs, num_top, prepared.token_text, chat=prepared.chat, offset=offset)
 
 
 async def chunks(opened: Opened) -> AsyncIterator[dict]:
@@ -156,7 +157,7 @@ async def chunks(opened: Opened) -> AsyncIterator[dict]:
             for _, _, items in opened:
                 await items.aclose()
     if prepared.body.include_usage:
-        yield oai.chunk(prepared.request_id, prepared.body.model, prepared.created, chat=prepared.chat,
+        yield objects.chunk(prepared.request_id, prepared.body.model, prepared.created, chat=prepared.chat,
                         usage_=usage.body(), include_usage=True)
 
 
@@ -176,7 +177,7 @@ async def _chunks_one(prepared: Prepared, first: StreamItem, items: AsyncIterato
     held = [] if chat and body.calls_tools else None
     async with contextlib.aclosing(items):
         if chat:
-            yield indexed(oai.chunk(rid, body.model, created, chat=True, text="", role=True,
+            yield indexed(objects.chunk(rid, body.model, created, chat=True, text="", role=True,
                                     include_usage=include_usage))
         try:
             while True:
@@ -187,8 +188,8 @@ async def _chunks_one(prepared: Prepared, first: StreamItem, items: AsyncIterato
                     held.append(item.text)
                     if item.is_final:
                         text, calls = tools.parse("".join(held), body)
-                        reason = oai.finish_reason(item.finish_reason)
-                        yield indexed(oai.chunk(rid, body.model, created, chat=True, text=text,
+                        reason = objects.finish_reason(item.finish_reason)
+                        yield indexed(objects.chunk(rid, body.model, created, chat=True, text=text,
                                                 reason="tool_calls" if calls and reason == "stop" else reason,
                                                 include_usage=include_usage, tool_calls=calls))
                         break
@@ -198,8 +199,8 @@ async def _chunks_one(prepared: Prepared, first: StreamItem, items: AsyncIterato
                 if item.text or item.is_final or want_logprobs or (body.return_token_ids and item.token_ids):
                     logprobs = _logprobs(prepared, item.token_ids, item.logprobs or (), text_offset) \
                         if want_logprobs else None
-                    yield indexed(oai.chunk(rid, body.model, created, chat=chat, text=item.text,
-                                            reason=oai.finish_reason(item.finish_reason), include_usage=include_usage,
+                    yield indexed(objects.chunk(rid, body.model, created, chat=chat, text=item.text,
+                                            reason=objects.finish_reason(item.finish_reason), include_usage=include_usage,
                                             token_ids=_token_ids(prepared, item.token_ids, first=not sent_first),
                                             logprobs=logprobs))
                     sent_first = True
@@ -216,5 +217,5 @@ async def _chunks_one(prepared: Prepared, first: StreamItem, items: AsyncIterato
 async def sse(opened: Opened) -> AsyncIterator[str]:
     """Server-sent events of the chunks, ending with ``data: [DONE]``."""
     async for payload in chunks(opened):
-        yield oai.sse(payload)
-    yield oai.sse("[DONE]")
+        yield objects.sse(payload)
+    yield objects.sse("[DONE]")

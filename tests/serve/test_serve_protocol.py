@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from deployments import openai_objects as objects
 from deployments import openai_protocol as oai
 from deployments.streaming import coalesced
 from deployments.wire import StreamItem
@@ -90,12 +91,12 @@ def test_what_the_peers_clients_send_is_accepted_and_means_what_they_mean():
 def test_logprobs_objects_follow_openai():
     text = {7: "a", 8: " b", 9: "c"}.__getitem__
     per_token = [{7: -0.1, 9: -2.5}, {9: -0.5, 8: -1.0, 7: -3.0}]  # the second token was not the likeliest
-    chat = oai.logprobs_object([7, 8], per_token, 1, text, chat=True)
+    chat = objects.logprobs_object([7, 8], per_token, 1, text, chat=True)
     assert chat == {"content": [
         {"token": "a", "logprob": -0.1, "bytes": [97], "top_logprobs": [{"token": "a", "logprob": -0.1, "bytes": [97]}]},
         {"token": " b", "logprob": -1.0, "bytes": [32, 98],
          "top_logprobs": [{"token": "c", "logprob": -0.5, "bytes": [99]}]}]}
-    completion = oai.logprobs_object([7, 8], per_token, 2, text, chat=False, offset=3)
+    completion = objects.logprobs_object([7, 8], per_token, 2, text, chat=False, offset=3)
     assert completion == {"tokens": ["a", " b"], "token_logprobs": [-0.1, -1.0],
                           "top_logprobs": [{"a": -0.1, "c": -2.5}, {"c": -0.5, " b": -1.0}], "text_offset": [3, 4]}
 
@@ -127,13 +128,13 @@ def test_library_value_errors_keep_their_field():
 
 
 def test_stream_chunks_follow_openai():
-    chunk = oai.chunk("chatcmpl-1", "m", 1, chat=True, text="", role=True, include_usage=True)
+    chunk = objects.chunk("chatcmpl-1", "m", 1, chat=True, text="", role=True, include_usage=True)
     assert chunk["choices"][0]["delta"] == {"role": "assistant", "content": ""} and chunk["usage"] is None
-    last = oai.chunk("chatcmpl-1", "m", 1, chat=True, text="", reason="stop")
+    last = objects.chunk("chatcmpl-1", "m", 1, chat=True, text="", reason="stop")
     assert last["choices"][0]["delta"] == {} and last["choices"][0]["finish_reason"] == "stop" and "usage" not in last
-    usage = oai.chunk("cmpl-1", "m", 1, chat=False, usage_=oai.usage(3, 4), include_usage=True)
+    usage = objects.chunk("cmpl-1", "m", 1, chat=False, usage_=objects.usage(3, 4), include_usage=True)
     assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 7
-    assert oai.sse("[DONE]") == "data: [DONE]\n\n"
+    assert objects.sse("[DONE]") == "data: [DONE]\n\n"
 
 
 async def _source(items, delay_after=(), fail_at=None):
