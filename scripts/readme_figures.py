@@ -456,6 +456,10 @@ FOOTNOTES = [
     "docs/benchmarks.md). Left out, no JSON behind them (docs/benchmarks.md has them): the decision's 9.6 ms before "
     "issue 44 and its first pair of runs (1.37 / 1.05 ms), the engine's 73.8 tok/s in process, the penalties' 715 us "
     "before `TokenCounts`, vLLM's bf16 step ~1.35x faster than ours (issue 41).",
+    "Stale in one respect: the bursts (both dtypes) and traffic-that-repeats-itself rows ran with the tier below "
+    "memory on a file-backed mapping, where demoting an evicted prefix page cost 2.2 ms; since 48ef6a3 it is "
+    "anonymous memory (0.18 ms a page). Not re-run against vLLM since; our burst trace at 2 req/s, re-run with the "
+    "tier on and off, is in docs/benchmarks.md (\"Bursts with the tier below memory on and off\").",
 ]
 
 
