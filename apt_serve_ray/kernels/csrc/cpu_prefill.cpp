@@ -7,9 +7,12 @@
 //   bf16 with AVX512-BF16   Kp[block][D/2][16 keys][2]   vdpbf16ps(acc, broadcast(q pair), Kp[block][pair])
 //   otherwise               Kp[block][D][16 keys] f32    vfmadd(acc, broadcast(q[d]), Kp[block][d])
 //
-// then four query rows at a time walk the keys in tiles of 32 with an online softmax; V rows are
-// read where they sit in the pages and accumulated in float32 (bf16 rows split into even/odd
-// lanes; see cpu_attention.cpp). Work items are (query head, 4-row group) on ATen's threads.
+// then four query rows at a time walk the keys in tiles of 32 with an online softmax. With
+// AVX512-BF16 the values are packed too, as pairs of consecutive keys (PackedValues), and the
+// weights rounded to bf16 (as flash attention does), so that one vdpbf16ps adds two keys' rows;
+// otherwise V rows are read where they sit in the pages and accumulated in float32 (bf16 rows
+// split into even/odd lanes; see cpu_attention.cpp). Work items are (query head, 4-row group) on
+// ATen's threads.
 //
 //   q [n, H, D]   k_pages, v_pages [P, BS, KVH, D] (tokens strided)   block_table [>= ceil(ctx / BS)] int32
 
@@ -72,6 +75,32 @@ struct PackedKeys {
   }
 };
 
+// Values of one kv head as bf16 pairs of consecutive keys (the dot path only):
+// Vp[key / 2][D] = (V[2j][d], V[2j+1][d]), so that vdpbf16ps(acc, broadcast(p pair), Vp[pair][16 dims]) adds
+// two keys' weighted rows to 16 output lanes in one instruction, in natural dim order. An odd context's
+// last pair is padded with zeros (its weight is zero too).
+struct PackedValues {
+  std::vector<uint32_t> data;
+
+  void pack(const bf16* v_base, int64_t page_stride, int64_t tok_stride, const int32_t* table, int64_t bs,
+            int64_t ctx, int64_t dim) {
+    const int64_t pairs = (ctx + 1) / 2;
+    data.assign(pairs * dim, 0u);
+    for (int64_t jp = 0; jp < pairs; ++jp) {
+      const int64_t j0 = 2 * jp, j1 = j0 + 1;
+      const bf16* r0 = v_base + table[j0 / bs] * page_stride + (j0 % bs) * tok_stride;
+      const bf16* r1 = j1 < ctx ? v_base + table[j1 / bs] * page_stride + (j1 % bs) * tok_stride : nullptr;
+      uint32_t* dst = data.data() + jp * dim;
+      for (int64_t d = 0; d < dim; d += 16) {
+        const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + d)));
+        const __m512i hi = r1 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + d)))
+                              : _mm512_setzero_si512();
+        _mm512_storeu_si512(dst + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+      }
+    }
+  }
+};
+
 // Accumulate p[r][0..n) x V rows into acc[r] (NV vectors of 16 floats per row; bf16 in split order).
 template <typename T, int NV>
 inline void accumulate_values(const float* p, const T* const* vrows, int64_t n, int rows, __m512 (*acc)[NV]) {
@@ -96,7 +125,7 @@ inline void accumulate_values(const float* p, const T* const* vrows, int64_t n, 
 
 template <typename T, int NV>
 void rows_attention(const T* q, int64_t q_stride, int rows, int64_t first_pos, const PackedKeys<T>& kp,
-                    const T* v_base, int64_t page_stride, int64_t tok_stride, const int32_t* table, int64_t bs,
+                    const PackedValues* vpk, const T* v_base, int64_t page_stride, int64_t tok_stride, const int32_t* table, int64_t bs,
                     int64_t dim, float scale, T* out, int64_t out_stride) {
   using Elem = typename PackedKeys<T>::Elem;
   // Queries: bf16 pairs (dot path) or floats, pre-scaled in the float path.
@@ -118,6 +147,7 @@ void rows_attention(const T* q, int64_t q_stride, int rows, int64_t first_pos, c
   }
   const int64_t last = first_pos + rows - 1;  // the last row's position: keys 0 .. last
   alignas(64) float p[kRows * kTile];
+  alignas(64) uint16_t pb[kRows * kTile];  // the dot path: p as bf16, key order (pairs for vdpbf16ps)
   const T* vrows[kTile];
   for (int64_t t0 = 0; t0 <= last; t0 += kTile) {
     const int64_t n = std::min<int64_t>(kTile, last + 1 - t0);
@@ -160,20 +190,45 @@ void rows_attention(const T* q, int64_t q_stride, int rows, int64_t first_pos, c
       m[r] = mx;
       const __m512 va = _mm512_set1_ps(alpha);
       for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], va);
-      _mm512_store_ps(p + r * kTile, q0);
-      _mm512_store_ps(p + r * kTile + 16, q1);
+      if constexpr (kDot<T>) {
+#if defined(__AVX512BF16__)
+        _mm512_store_si512(pb + r * kTile, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(q1, q0)));
+#endif
+      } else {
+        _mm512_store_ps(p + r * kTile, q0);
+        _mm512_store_ps(p + r * kTile + 16, q1);
+      }
     }
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t t = t0 + j;
-      vrows[j] = v_base + table[t / bs] * page_stride + (t % bs) * tok_stride;
+    if constexpr (kDot<T>) {
+#if defined(__AVX512BF16__)
+      // Two keys per instruction: the pair's weights broadcast, the pair's value rows packed (PackedValues).
+      const uint32_t* vb = vpk->data.data() + (t0 / 2) * dim;
+      for (int64_t jp = 0; jp < (n + 1) / 2; ++jp) {
+        __m512i vv[NV];
+        for (int c = 0; c < NV; ++c) vv[c] = _mm512_loadu_si512(vb + jp * dim + 16 * c);
+        for (int r = 0; r < rows; ++r) {
+          uint32_t pair;
+          std::memcpy(&pair, pb + r * kTile + 2 * jp, sizeof(pair));
+          const __m512bh pr = reinterpret_cast<__m512bh>(_mm512_set1_epi32(int(pair)));
+          for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pr, reinterpret_cast<__m512bh>(vv[c]));
+        }
+      }
+#endif
+    } else {
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t t = t0 + j;
+        vrows[j] = v_base + table[t / bs] * page_stride + (t % bs) * tok_stride;
+      }
+      accumulate_values<T, NV>(p, vrows, n, rows, acc);
     }
-    accumulate_values<T, NV>(p, vrows, n, rows, acc);
   }
   for (int r = 0; r < rows; ++r) {
     alignas(64) float o[256];
     for (int c = 0; c < NV; ++c) _mm512_store_ps(o + 16 * c, _mm512_mul_ps(acc[r][c], _mm512_set1_ps(1.f / l[r])));
     T* dst = out + r * out_stride;
-    if constexpr (std::is_same_v<T, bf16>) {  // split order per 32 elements -> natural
+    if constexpr (kDot<T>) {  // natural order already (PackedValues)
+      for (int64_t d = 0; d < dim; ++d) dst[d] = bf16(o[d]);
+    } else if constexpr (std::is_same_v<T, bf16>) {  // split order per 32 elements -> natural
       for (int64_t c = 0; c < dim; c += 32)
         for (int j = 0; j < 16; ++j) {
           dst[c + 2 * j] = bf16(o[c + j]);
@@ -193,9 +248,13 @@ void prefill_impl(const torch::Tensor& q, const torch::Tensor& kp_t, const torch
   const int64_t ctx = start_pos + n;
   const int32_t* table = table_t.data_ptr<int32_t>();
   std::vector<PackedKeys<T>> keys(kvh);
+  std::vector<PackedValues> values(kDot<T> ? kvh : 0);
   at::parallel_for(0, kvh, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
+    for (int64_t g = g0; g < g1; ++g) {
       keys[g].pack(kp_t.data_ptr<T>() + g * kp_t.stride(2), kp_t.stride(0), kp_t.stride(1), table, bs, ctx, dim);
+      if constexpr (kDot<T>)
+        values[g].pack(vp_t.data_ptr<T>() + g * vp_t.stride(2), vp_t.stride(0), vp_t.stride(1), table, bs, ctx, dim);
+    }
   });
   const int64_t groups = (n + kRows - 1) / kRows;
   // Later row groups see more keys: interleave heads within a group index so threads get mixed loads.
@@ -205,8 +264,8 @@ void prefill_impl(const torch::Tensor& q, const torch::Tensor& kp_t, const torch
       const int rows = static_cast<int>(std::min<int64_t>(kRows, n - row));
       const int64_t g = h / group;
       rows_attention<T, NV>(q.data_ptr<T>() + row * heads * dim + h * dim, heads * dim, rows, start_pos + row,
-                            keys[g], vp_t.data_ptr<T>() + g * vp_t.stride(2), vp_t.stride(0), vp_t.stride(1), table,
-                            bs, dim, float(scale), out.data_ptr<T>() + row * heads * dim + h * dim, heads * dim);
+                            keys[g], kDot<T> ? &values[g] : nullptr, vp_t.data_ptr<T>() + g * vp_t.stride(2),
+                            vp_t.stride(0), vp_t.stride(1), table, bs, dim, float(scale), out.data_ptr<T>() + row * heads * dim + h * dim, heads * dim);
     }
   });
 }
