@@ -120,3 +120,23 @@ def test_effective_throughput_rejects_bad_input():
         effective_throughput([], 0.9)
     with pytest.raises(ValueError, match="target"):
         effective_throughput(POINTS, 1.5)
+
+
+def _analysis(attainment: float, goodput: float, seed: int, rate: float) -> dict:
+    cls = {"attainment": attainment, "goodput": goodput, "goodput_arrivals": goodput, "num": 10, "ttft_misses": 0,
+           "gap_misses": 0, "median_longest_gap_ms": 100.0}
+    return {"all": cls, "chat": cls, "document": cls, "seed": seed, "rate": rate}
+
+
+def test_report_gives_the_baselines_bound_on_any_goodput_ratio():
+    # Over one arrival window no server can beat the baseline by more than 1 / its attainment.
+    from apt_serve_ray.bench.misses import report_tables
+
+    eff = {g: {"90": 0.0, "60": 0.0} for g in ("all", "chat", "document")}
+    runs = {"serve:ours": {"results": [_analysis(0.9, 0.9, 0, 1.0), _analysis(0.96, 0.96, 1, 1.0)],
+                           "effective_throughput": eff, "machine": {}},
+            "serve:vllm": {"results": [_analysis(0.5, 0.5, 0, 1.0), _analysis(0.8, 0.8, 1, 1.0)],
+                           "effective_throughput": eff, "machine": {}}}
+    text = report_tables(runs, "vllm")
+    assert "| 1 | ours | 93.0% (90%-96%) | 93.0% (90%-96%) | 93.0% (90%-96%) | 1.50x (1.20-1.80) |" in text
+    assert "| 1 | vllm | 65.0% (50%-80%) | 65.0% (50%-80%) | 65.0% (50%-80%) | - (at most 1.62x: 1.25-2.00) |" in text
