@@ -84,6 +84,8 @@ OURS_VARIANTS = {
     "ours-open": dict(policy_options={"admission_share": None, "reserve_after": None, "write_off_late": False}),
     # the margin on a step's prediction from the P99 of its measured error, not the envelope (issue 44, item 4)
     "ours-p99": dict(policy_options={"step_margin_quantile": 0.99}),
+    # priority preemption of any lower-priority victim, as before the victims' promises were kept
+    "ours-evictany": dict(policy_options={"evict_within_promise": False}),
 }
 # vLLM with its defaults (FCFS, prefix caching on), with priorities (told each request's), without
 # prefix caching (a lab baseline: users run vLLM with it on).

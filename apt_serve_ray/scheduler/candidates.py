@@ -111,6 +111,9 @@ class Candidates:
     ttft_slo_ms: np.ndarray | None = None
     max_num_tokens: np.ndarray | None = None  # tokens each holds when it finishes (at most)
     awaiting_first: np.ndarray | None = None  # no first token yet (its TTFT still open)
+    # Seconds until its next token is late: the TTFT left before the first, the gap allowance left after
+    # (negative once missed). What a preempted request has to come back within and still pass.
+    promise_left_s: np.ndarray | None = None
 
     @property
     def num(self) -> int:
@@ -237,6 +240,7 @@ class Candidates:
             urg = urgency(now, deadline, np.where(no_token, ttft_ms, tbt_ms) / 1000.0)
         if with_importance:
             imp = importance(priority)
+        promise_left = np.where(no_token, ttft_s, allowance) - pending_s
         return cls(requests, n_run, num_tokens, mem, num_held, held, mem_held, is_decoding, num_computed,
                    arrival, pending_s, missed, tbt_ms, urg, imp, priority, copy, hit_kind, ttft_ms,
-                   max_tokens.astype(np.int64), np.isnan(first))
+                   max_tokens.astype(np.int64), np.isnan(first), promise_left)

@@ -149,18 +149,20 @@ def test_sustained_important_load_pushes_a_batch_request_back_no_longer_than_max
     assert reserved.max() <= 15.0 + 2 * slowest
 
 
-def _full_pool_then_important(priority_preemption: bool, swap_space: float, important_priority: int = 0):
+def _full_pool_then_important(priority_preemption: bool, swap_space: float, important_priority: int = 0,
+                              important_output: int = 8, **policy):
     """Four priority-10 requests that fill a 40-page pool (128 + 32 output tokens each: 10 pages), then
     one more request at ``important_priority``. Returns (its wait to first token, the preempted ones)."""
     config = EngineConfig(policy="apt", calibrate_rho=False, enable_watermarks=False, swap_space=swap_space,
                           max_num_batched_tokens=512)
+    cost = CostModel(base_s=0.02, per_token_s=0.0002)
     sim = SimulatedEngine(config, num_pages=40, policy=AdaptiveScheduler(
-        config=config, rho=0.0, priority_preemption=priority_preemption), cost=CostModel(base_s=0.02, per_token_s=0.0002))
+        config=config, rho=0.0, step_model=cost, priority_preemption=priority_preemption, **policy), cost=cost)
     batch = [sim.add(128, 32, priority=10, ttft_slo_ms=30_000, tbt_slo_ms=1000) for _ in range(4)]
     for _ in range(4):
         sim.step()
     assert all(r.first_token_time is not None for r in batch) and sim.cache.pool.num_free_pages < 10
-    important = sim.add(128, 8, priority=important_priority, ttft_slo_ms=1000, tbt_slo_ms=100)
+    important = sim.add(128, important_output, priority=important_priority, ttft_slo_ms=3000, tbt_slo_ms=100)
     preempted = []
     while important.first_token_time is None:
         preempted += sim.step().preempted
@@ -182,3 +184,15 @@ def test_an_important_request_evicts_unimportant_running_ones_instead_of_waiting
 def test_requests_of_one_priority_never_evict_each_other():
     _, preempted = _full_pool_then_important(True, swap_space=0.001, important_priority=10)
     assert not preempted
+
+
+def test_an_important_request_evicts_only_those_that_can_be_back_before_their_gap_is_late():
+    # 96 tokens hold the pages ~2 s: longer than the decoding victims' gap allowance (~1.4 s). Evicting them
+    # would break the promise of every one of them (issue 44: documents evicted for long chats), so the
+    # important request waits for the first to finish (~28 steps), and still starts within its TTFT.
+    waited, preempted = _full_pool_then_important(True, swap_space=0.001, important_output=96)
+    assert not preempted and waited < 3.0
+    # Without the rule, the same request evicts them at once.
+    waited_any, preempted_any = _full_pool_then_important(True, swap_space=0.001, important_output=96,
+                                                          evict_within_promise=False)
+    assert preempted_any and waited_any < 0.2

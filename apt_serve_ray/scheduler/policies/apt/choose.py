@@ -137,6 +137,7 @@ def preempt_for_priority(d: Decision, plan: Plan) -> None:
     if not waiting.size or not running.size or prio[waiting].min() >= prio[running].max():
         return
     victims = running[np.lexsort((plan.density[running], -prio[running]))].tolist()
+    hold_s, back_s = promise_times(d) if d.policy.evict_within_promise else (None, None)
     changed = False
     for i in waiting[np.argsort(-plan.density[waiting], kind="stable")].tolist():
         short = int(c.mem_kv[i]) - plan.spare
@@ -144,6 +145,8 @@ def preempt_for_priority(d: Decision, plan: Plan) -> None:
         for v in victims:
             if short <= freed or prio[v] <= prio[i]:
                 break
+            if hold_s is not None and not c.missed[v] and c.promise_left_s[v] < hold_s[i] + back_s[v]:
+                continue  # it could not be back before its next token is late: a promise it keeps
             pick.append(v)
             freed += int(c.num_held[v]) + 1  # its pages and its page of growth
             lost += value[v]
@@ -160,6 +163,30 @@ def preempt_for_priority(d: Decision, plan: Plan) -> None:
         forced_idx = plan.order[plan.forced[plan.order]]
         others = np.flatnonzero(plan.chosen & ~plan.forced)
         plan.order = np.concatenate((forced_idx, others[np.argsort(-plan.density[others], kind="stable")]))
+
+
+def promise_times(d: Decision) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """For priority preemption that keeps the victims' promises (``evict_within_promise``): per waiting
+    row, the seconds it would hold the pages it takes (its prompt's prefill, then its outputs up to
+    ``max_tokens`` at the step time of today's decodes; its pages free when it finishes), and per running
+    row, what its eviction and return cost (out to the tier and back where the tier has room, else its
+    tokens computed again). A victim that can still pass is taken only if the sum fits in what is left
+    of its TTFT or gap allowance (``promise_left_s``). (None, None) without a step-time model."""
+    p, c = d.policy, d.c
+    if p.step_model is None or c.promise_left_s is None or c.max_num_tokens is None:
+        return None, None
+    n_run = c.num_running
+    decoding = np.flatnonzero(c.is_decoding[:n_run])
+    step_s = (d.decode_seconds(decoding) if decoding.size else float(p.step_model.predict(1, 1))) * p.slowdown
+    prompt_left = np.maximum(c.num_tokens - c.num_computed, 0).astype(np.float64)
+    outputs = np.maximum(c.max_num_tokens - c.num_tokens, 1).astype(np.float64)
+    hold_s = recompute_seconds(p.step_model, prompt_left) * p.slowdown + outputs * step_s
+    back_s = recompute_seconds(p.step_model, c.num_computed[:n_run].astype(np.float64)) * p.slowdown
+    transfer = getattr(getattr(d.cache, "swap", None), "transfer", None)
+    if transfer is not None and d.free_swap_slots:
+        swap_s = 2 * c.num_held[:n_run] * transfer.seconds(1)
+        back_s = np.where(c.num_held[:n_run] <= d.free_swap_slots, np.minimum(back_s, swap_s), back_s)
+    return hold_s, back_s
 
 
 def protected_rows(d: Decision) -> np.ndarray:

@@ -74,7 +74,11 @@ class, 30% of a ShareGPT-like mix at 1.5x capacity: longest wait 64 s). So a wai
 does not fit may take the pages of pinned running requests of a lower priority (a larger value) when
 it is worth more than they are together, evicting them (``choose.preempt_for_priority``); and when a running
 request needs pages to grow, the least important go first (``shape.shape``'s victim order). Eviction is priced as
-what it costs: a swap out and back where the tier below memory has room, else a recompute. Measured
+what it costs: a swap out and back where the tier below memory has room, else a recompute. A victim
+that can still pass is taken only if it can be back before its next token is late: the waiting request
+must finish (prefill, then its ``max_tokens`` at today's step time) and the victim return within what is
+left of its TTFT or gap allowance (``evict_within_promise``, issue 44: documents with a 1-s gap were
+evicted for chats that held their pages for seconds, and lost to vLLM's FCFS on their gaps). Measured
 (``benchmarks/priority_classes.py``, simulator, 4 GiB tier): interactive / batch attainment at 1x,
 1.5x, 2x capacity 0.91 / 0.92, 0.73 / 0.80, 0.64 / 0.70 (without: 0.64 / 0.96, 0.56 / 0.85, 0.56 /
 0.83); longest interactive wait 2-21 s (was 46-65 s). Without the tier, evictions are recomputes and
@@ -128,7 +132,7 @@ class AdaptiveScheduler(SchedulingPolicy):
         *, config=None, rho: float | None = None, step_model=None, tbt_headroom: float = 0.8,
         hidden_cost_steps: float = 8.0, evict_missed: bool = False, priority_preemption: bool = True,
         admission_share: float | None = 0.8, reserve_after: float | None = 0.5, write_off_late: bool = True,
-        shed_late: bool = False, step_margin_quantile: float | None = None,
+        shed_late: bool = False, step_margin_quantile: float | None = None, evict_within_promise: bool = True,
     ) -> None:
         super().__init__(config)
         self.weights = ValueWeights(time_weight, memory_weight, slo_weight, priority_weight)
@@ -162,6 +166,11 @@ class AdaptiveScheduler(SchedulingPolicy):
         # (a swap out and back where the tier has room, else recomputing their tokens), so an
         # important request is not stuck behind pinned unimportant ones (issue 16).
         self.priority_preemption = bool(priority_preemption)
+        # ... but only victims that have missed, or that can be back before their next token is late
+        # (``choose.promise_times``): evicting a decoding request for a request that holds its pages
+        # longer than the victim's gap allowance breaks the victim's promise (issue 44: documents with
+        # a 1 s gap evicted for chats that ran for seconds). False: any victim of a lower priority.
+        self.evict_within_promise = bool(evict_within_promise)
         # Admission as a promise (issue 44): a waiting request starts only while the decode step with it
         # (and everyone before it) stays within ``admission_share`` of the step's time target (the
         # rest is left to prefill chunks); None: admit whatever memory allows, as before.
