@@ -22,6 +22,7 @@ class SlotAllocator:
         self._free: deque[int] = deque(reversed(range(num))) if lifo else deque(range(num))
         self._refs: list[int] = [0] * num
         self._owners: list[dict[str, int] | None] = [None] * num  # owner -> references it holds
+        self.high_water = 0  # one past the highest slot ever handed out (LIFO: how many were ever used)
 
     @property
     def num_free(self) -> int:
@@ -48,7 +49,15 @@ class SlotAllocator:
         slots = [pop() for _ in range(num)]
         for slot in slots:
             self.claim(slot, owner)
+        if slots:
+            self.high_water = max(self.high_water, max(slots) + 1)
         return slots
+
+    def peek(self) -> int | None:
+        """The slot ``allocate`` would hand out next (None: none free)."""
+        if not self._free:
+            return None
+        return self._free[-1] if self.lifo else self._free[0]
 
     def claim(self, slot: int, owner: str) -> None:
         """``owner`` holds ``slot``, which nobody held and is not on the free list."""
