@@ -26,10 +26,15 @@ def _prompt(n, seed=0):
     return [rng.randrange(10, 49000) for _ in range(n)]
 
 
+@pytest.mark.parametrize("convert_chunk", [512, 16])  # 16: converted in pieces
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("from_kind,to_kind", [(CacheKind.KV, CacheKind.KV_INT8),
                                                (CacheKind.HIDDEN, CacheKind.HIDDEN_INT8)])
-def test_compression_quantises_every_layer_like_a_write_and_gives_back_the_tail(opt_tiny, dtype, from_kind, to_kind):
+def test_compression_quantises_every_layer_like_a_write_and_gives_back_the_tail(opt_tiny, dtype, from_kind, to_kind,
+                                                                                convert_chunk, monkeypatch):
+    from apt_serve_ray.worker import model_runner
+
+    monkeypatch.setattr(model_runner, "CONVERT_CHUNK", convert_chunk)
     llm = LLM(opt_tiny, dtype=dtype, num_pages=40, calibrate_rho=False, swap_space=0, policy="sarathi",
               cache_kinds=["hidden", "kv-int8", "hidden-int8"], cache_ratio=1.0)
     engine = llm.llm_engine

@@ -108,8 +108,12 @@ class _PinnedKinds(SarathiPolicy):
         return CacheKind.HIDDEN if request.request_id.startswith("h") else CacheKind.KV
 
 
+@pytest.mark.parametrize("convert_chunk", [512, 16])  # 16: every upgrade converted in pieces (positions per piece)
 @pytest.mark.parametrize("shape", ["opt-tiny", "llama-tiny"])
-def test_in_place_upgrade_mid_generation_continues_identically(checkpoint, shape):
+def test_in_place_upgrade_mid_generation_continues_identically(checkpoint, shape, convert_chunk, monkeypatch):
+    from apt_serve_ray.worker import model_runner
+
+    monkeypatch.setattr(model_runner, "CONVERT_CHUNK", convert_chunk)
     path = checkpoint(shape)
     prompts = _prompts(4, seed=3, lo=20, hi=120)
     never = _run(path, 1.0, prompts)
