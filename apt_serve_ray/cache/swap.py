@@ -198,7 +198,6 @@ class SwapSpace:
         if self.device is not None:
             self._data = self._allocate(swap_dir)
             if isinstance(self._mmap, mmap.mmap):
-                self.warm_slots = 0
                 start = min(num_slots, max(1, WARM_START_BYTES // layout.bytes_per_page))
                 if _populate(_madvise(), self._data, 0, start, layout.bytes_per_page):
                     self.warm_slots = start

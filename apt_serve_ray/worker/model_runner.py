@@ -267,7 +267,8 @@ class ModelRunner:
         # fresh allocations, faulted in each time, and converting 1,500 tokens cost 2.7-3.6x per token what
         # 512 did (kv <-> kv-int8, bf16 OPT-125m), far above the price calibrated on 512.
         # Whole pages of both kinds per piece: an int8 page's scales may cover all of its tokens.
-        step = -(-CONVERT_CHUNK // math.lcm(tpp, dst_tpp)) * math.lcm(tpp, dst_tpp)
+        pages = math.lcm(tpp, dst_tpp)
+        step = -(-CONVERT_CHUNK // pages) * pages
         for lo in range(0, plan.num_tokens, step):
             part = slice(lo, lo + step)
             sp, so, dp, do = src_pages[part], src_offs[part], dst_pages[part], dst_offs[part]

@@ -14,6 +14,7 @@ from apt_serve_ray.scheduler.costs import recompute_seconds
 from apt_serve_ray.scheduler.knapsack import SKIP, greedy_choice
 from apt_serve_ray.scheduler.policies.apt.admission import admit_within_promise, reserved_row
 from apt_serve_ray.scheduler.policies.apt.decision import Decision, Plan
+from apt_serve_ray.scheduler.policies.apt.price import eviction_seconds
 
 _COMPRESSED = np.array([k.is_compressed for k in KINDS])
 # [copy's kind, kind] -> whether a copy in the tier comes back in that kind without a recompute.
@@ -181,12 +182,7 @@ def promise_times(d: Decision) -> tuple[np.ndarray | None, np.ndarray | None]:
     prompt_left = np.maximum(c.num_tokens - c.num_computed, 0).astype(np.float64)
     outputs = np.maximum(c.max_num_tokens - c.num_tokens, 1).astype(np.float64)
     hold_s = recompute_seconds(p.step_model, prompt_left) * p.slowdown + outputs * step_s
-    back_s = recompute_seconds(p.step_model, c.num_computed[:n_run].astype(np.float64)) * p.slowdown
-    transfer = getattr(getattr(d.cache, "swap", None), "transfer", None)
-    if transfer is not None and d.free_swap_slots:
-        swap_s = 2 * c.num_held[:n_run] * transfer.seconds(1)
-        back_s = np.where(c.num_held[:n_run] <= d.free_swap_slots, np.minimum(back_s, swap_s), back_s)
-    return hold_s, back_s
+    return hold_s, eviction_seconds(d) * p.slowdown
 
 
 def protected_rows(d: Decision) -> np.ndarray:

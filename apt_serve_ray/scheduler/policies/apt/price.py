@@ -54,6 +54,19 @@ def prefill_scale(d: Decision) -> float:
     return p.slowdown / min(1.0, max(0.1, 1.0 - decode_s / target))
 
 
+def eviction_seconds(d: Decision) -> np.ndarray:
+    """Per running row, in the step-time model's seconds, what evicting it costs: its tokens computed
+    again, or its pages out to the tier and back where the tier has room for them and that is cheaper."""
+    c = d.c
+    n_run = c.num_running
+    evict_s = recompute_seconds(d.policy.step_model, c.num_computed[:n_run].astype(np.float64))
+    transfer = getattr(getattr(d.cache, "swap", None), "transfer", None)
+    if transfer is not None and d.free_swap_slots:
+        swap_s = c.num_held[:n_run] * transfer.seconds(1)  # a round trip; linear in pages: one product
+        evict_s = np.where(c.num_held[:n_run] <= d.free_swap_slots, np.minimum(evict_s, swap_s), evict_s)
+    return evict_s
+
+
 def price(d: Decision) -> None:
     """Each candidate's value (``d.value``), and ``U * m * hidden_cost_steps`` (``d.kind_weight``):
     times a kind's seconds per page, what choosing that kind for it costs (its value in kind k is
@@ -66,11 +79,5 @@ def price(d: Decision) -> None:
         # Evicting a running request delays the U requests that can still pass by what it costs:
         # recomputing its tokens, or moving its pages out and back where the tier below memory
         # has room (and that is cheaper), priced like the hidden kind's recompute (U x time).
-        n_run = c.num_running
-        evict_s = recompute_seconds(p.step_model, c.num_computed[:n_run].astype(np.float64))
-        transfer = getattr(getattr(d.cache, "swap", None), "transfer", None)
-        if transfer is not None and d.free_swap_slots:
-            swap_s = c.num_held[:n_run] * transfer.seconds(1)  # linear in pages: one product, not a loop
-            evict_s = np.where(c.num_held[:n_run] <= d.free_swap_slots, np.minimum(evict_s, swap_s), evict_s)
-        value[:n_run] += u * evict_s
+        value[:c.num_running] += u * eviction_seconds(d)
     d.value, d.kind_weight = value, (u * p.hidden_cost_steps) * c.mem_kv
