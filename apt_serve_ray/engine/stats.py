@@ -97,7 +97,8 @@ class StepStats:
     def as_record(self) -> dict:
         """What the step was made of and took, as plain numbers (the memory timeline's samples and
         the benchmark driver's step records carry it, to explain a long gap)."""
-        return {"step_s": round(self.total_s, 6),
+        return {"step_s": round(self.total_s, 6), "schedule_s": round(self.schedule_s, 6),
+                "execute_s": round(self.execute_s, 6),
                 "predicted_s": None if self.predicted_s is None else round(self.predicted_s, 6),
                 "decodes": self.num_decodes, "prefill_tokens": self.num_prefill_tokens, "seqs": self.num_seqs,
                 "upgrades": self.num_upgrades, "compressions": self.num_compressions,

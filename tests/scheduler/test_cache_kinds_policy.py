@@ -91,7 +91,10 @@ def test_lowering_cache_ratio_mid_run_stops_compressed_admissions():
     while sim.scheduler.num_unfinished:
         running = set(map(id, sim.scheduler.running))
         out = sim.step()
-        assert not [c for c in out.chunks if id(c.request) not in running and c.request.kind in COMPRESSED]
+        # A compressed copy in the tier may come back in its kind (it is held memory admitted under the
+        # ceiling before, as a running compressed request keeps its kind when the ratio drops); nothing new.
+        assert not [c for c in out.chunks if id(c.request) not in running and c.request.kind in COMPRESSED
+                    and not c.request.num_swaps]
     assert len(sim.finished) == 16
 
 

@@ -12,7 +12,7 @@ from apt_serve_ray.cache.cache_manager import can_convert
 from apt_serve_ray.scheduler.candidates import KINDS, NO_PAGES
 from apt_serve_ray.scheduler.costs import recompute_seconds
 from apt_serve_ray.scheduler.knapsack import SKIP, greedy_choice
-from apt_serve_ray.scheduler.policies.apt.admission import admit_within_promise, reserved_row
+from apt_serve_ray.scheduler.policies.apt.admission import admit_within_promise, growth_pages, reserved_row
 from apt_serve_ray.scheduler.policies.apt.decision import Decision, Plan
 from apt_serve_ray.scheduler.policies.apt.price import eviction_seconds
 
@@ -36,9 +36,15 @@ def choose(d: Decision) -> Plan:
         first[reserved] = True
     first_mem = c.mem_held
     current = c.current  # waiting requests with a copy in the tier: its kind (swapped back in it)
-    # One page of growth is reserved per running request, so admissions do not force memory
-    # preemptions a few steps later (measured: 47 -> 14 preemptions, ShareGPT 4 req/s, simulated).
-    capacity = ctx.num_free_pages + int(c.num_held[:n_run].sum()) - int(first_mem[first].sum()) - n_run
+    # The running requests' growth is reserved, so admissions do not force memory preemptions a few
+    # steps later: one page each at first (measured: 47 -> 14 preemptions, ShareGPT 4 req/s,
+    # simulated), now their peak need over ``growth_lookahead`` tokens where that is more
+    # (``admission.growth_pages``; the page each stays a floor: one about to finish frees its pages
+    # only once its last token is out, and the pages held by ending requests are not all free at once).
+    growth = n_run
+    if p.growth_lookahead is not None:
+        growth = max(growth, growth_pages(c, np.flatnonzero(first[:n_run]), d.tokens_per_page, p.growth_lookahead))
+    capacity = ctx.num_free_pages + int(c.num_held[:n_run].sum()) - int(first_mem[first].sum()) - growth
     rest = np.flatnonzero(~first)
     held = current[rest]
     comp_rest = held > 0
@@ -60,14 +66,18 @@ def choose(d: Decision) -> Plan:
     values = value[rest, None] - kind_weight[rest, None] * d.per_page[kinds][None, :]
     if c.copy is not None:
         price_recompute(d, rest, kinds, values, allowed)
-    # The ceiling: what compressed kinds may still take, plus what the rows in the knapsack hold
-    # now (they are chosen again), less the growth of the first ones that hold compressed pages.
-    # (A compressed copy in the tier counts as held: it was admitted under the ceiling, and comes back
-    # under it as a running compressed request grows past it.)
+    # The ceiling: what compressed kinds may still take, plus what the running rows in the knapsack
+    # hold now (they are chosen again), less the growth of the first ones that hold compressed pages.
+    # A compressed copy in the tier comes back under it like an admission: its pages are not in the
+    # pool, and counting them as held gave their room to other compressed admissions too (a copy and
+    # a new hidden request came in together past the ceiling).
+    # (The protected and the reserved come back in their copy's kind outside the knapsack: their pages
+    # leave the room the same way.)
     comp_first = np.flatnonzero(first & c.is_compressed)
-    comp_idx = rest[comp_rest]
-    limit = (ctx.compressed_pages_left + int(np.where(comp_idx < n_run, c.num_held[comp_idx], c.mem_held[comp_idx]).sum())
-             - int((first_mem[comp_first] - c.num_held[comp_first]).sum()))
+    comp_idx = rest[comp_rest & (rest < n_run)]
+    copies_first = np.flatnonzero(first[n_run:] & (current[n_run:] > 0)) + n_run
+    limit = (ctx.compressed_pages_left + int(c.num_held[comp_idx].sum())
+             - int((first_mem[comp_first] - c.num_held[comp_first]).sum()) - int(c.mem_held[copies_first].sum()))
     choice = greedy_choice(values, c.mem[kinds][:, rest].T, allowed, max(0, capacity),
                            compressed=_COMPRESSED[kinds], compressed_limit=max(0, limit),
                            memory_weight=p.weights.memory_weight)
