@@ -86,8 +86,6 @@ OURS_VARIANTS = {
     "ours-p99": dict(policy_options={"step_margin_quantile": 0.99}),
     # priority preemption of any lower-priority victim, as before the victims' promises were kept
     "ours-evictany": dict(policy_options={"evict_within_promise": False}),
-    # one page of growth reserved per running request at admission, as before the growth was looked ahead
-    "ours-growth1": dict(policy_options={"growth_lookahead": None}),
 }
 # vLLM with its defaults (FCFS, prefix caching on), with priorities (told each request's), without
 # prefix caching (a lab baseline: users run vLLM with it on).

@@ -384,30 +384,3 @@ def test_the_prefill_loop_stopping_early_changes_no_decision(monkeypatch):
 
     assert decisions(True) == decisions(False)
 
-
-def _growing_chats(**policy_kw):
-    """20 chats arrive at once on 100 pages: each prompt fits (4 pages of 16 tokens), but each will grow by
-    96 tokens (6 pages more), and all 20 grown would need 200. Returns them and the preemptions."""
-    config = EngineConfig(policy="apt", calibrate_rho=False, enable_watermarks=False, max_num_batched_tokens=512,
-                          swap_space=0)
-    policy = AdaptiveScheduler(config=config, rho=0.0, step_model=COST, tbt_headroom=0.8, **policy_kw)
-    sim = SimulatedEngine(config, layout=MHA_LAYOUT, num_pages=100, policy=policy, cost=COST)
-    chats = [sim.add(48, 96, tbt_slo_ms=500, ttft_slo_ms=60_000) for _ in range(20)]
-    preempted = 0
-    while sim.scheduler.num_unfinished:
-        preempted += len(sim.step().preempted)
-    assert sim.llm_engine.cache.pool.num_free_pages == sim.llm_engine.cache.pool.num_pages
-    return chats, preempted
-
-
-def test_admission_keeps_pages_for_the_running_requests_growth():
-    """One page of growth a request let the prompts fill the pool, and their growth then preempted
-    (recomputed) the least valuable running ones; with their peak need reserved, those admitted run to
-    the end and the others wait (their TTFT is 60 s)."""
-    chats, preempted = _growing_chats()
-    _, before = _growing_chats(growth_lookahead=None)
-    assert before > 0 and preempted == 0
-    assert all(r.num_output_tokens == 96 for r in chats)
-    assert sum(map(_passed, chats)) == 20
-    with pytest.raises(ValueError, match="growth_lookahead"):
-        AdaptiveScheduler(growth_lookahead=-1)

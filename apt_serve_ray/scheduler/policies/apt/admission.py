@@ -17,13 +17,6 @@ Three functions over one decision's ``Candidates`` and ``Plan``, with everything
   per page, so short requests were admitted ahead of a long, older one until its target was lost
   (documents behind a stream of chats: 5 of 11 missed their 12 s TTFT); one at a time, so a burst of
   long requests cannot take every short one's turn.
-* ``growth_pages``: the pages the running requests will still take as they grow, at the peak over the
-  next ``growth_lookahead`` tokens each (one token a step; a request that reaches its ``max_tokens``
-  finishes and gives all of its pages back), kept out of what the greedy admits into. One page a
-  request was reserved before: under a burst the pool was filled with prompts, each running request
-  then grew into it, and the growth preempted the least important decoding requests (documents:
-  through Ray Serve at CV 3, 2 req/s, a run with 10 such preemptions met 53% of its documents, gaps of
-  6-37 s while they waited in the tier; one with 2 met 92%).
 * ``admit_within_promise``: of the chosen waiting requests, the longest run in the plan's order (those
   that can still pass before the late ones) whose decode rows, added to every running request's, each
   at the context it will hold when it finishes, keep the predicted decode step within
@@ -37,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 
 from apt_serve_ray.request import CacheKind
-from apt_serve_ray.scheduler.candidates import KIND_CODE, KINDS, Candidates
+from apt_serve_ray.scheduler.candidates import KIND_CODE, Candidates
 from apt_serve_ray.scheduler.knapsack import SKIP
 
 PROMISE_LOOKAHEAD = 512  # tokens of a request's growth the promise looks ahead (max_tokens may be far off)
@@ -109,30 +102,6 @@ def predicted_late(c: Candidates, step_model, *, seconds_scale: float, chunk_tok
         else:
             kept_s += t
     return rows[late]
-
-
-def growth_pages(c: Candidates, rows: np.ndarray, tokens_per_page: np.ndarray, lookahead: int) -> int:
-    """Pages the running ``rows`` will need beyond those for this step's tokens (``c.mem_held``), at the
-    peak over the next ``lookahead`` tokens each: one token a step, and a request that reaches
-    ``max_num_tokens`` finishes and frees its pages (the upper bound on its length: it may end sooner).
-    ``tokens_per_page``: per kind, as in ``KINDS``."""
-    if not rows.size or lookahead <= 0:
-        return 0
-    tpp = tokens_per_page[np.maximum(c.held[rows], 0)]
-    now = c.need[rows]
-    end = c.max_num_tokens[rows] if c.max_num_tokens is not None else now + lookahead
-    horizon = int(min(lookahead, max(0, int((end - now).max()) + 1)))
-    if horizon <= 0:
-        return 0
-    tokens = now[:, None] + np.arange(1, horizon + 1)[None, :]
-    pages = np.where(tokens <= end[:, None], -(-tokens // tpp[:, None]), 0)
-    net = pages.sum(axis=0) - int(c.mem_held[rows].sum())
-    return max(0, int(net.max()))
-
-
-def tokens_per_page(layout) -> np.ndarray:
-    """Tokens a page holds in each kind, as in ``KINDS`` (for ``growth_pages``)."""
-    return np.array([max(1, layout.tokens_per_page(k)) for k in KINDS], dtype=np.int64)
 
 
 def reserved_row(c: Candidates, forced: np.ndarray, reserve_after: float | None) -> int:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from apt_serve_ray.scheduler.candidates import Candidates
-from apt_serve_ray.scheduler.policies.apt.admission import int8_seconds, tokens_per_page
+from apt_serve_ray.scheduler.policies.apt.admission import int8_seconds
 
 
 @dataclass
@@ -51,7 +51,7 @@ class Plan:
     chosen: np.ndarray
     kind: np.ndarray  # the chosen kind's index in KINDS (0: KV); SKIP where not chosen
     order: np.ndarray  # chosen rows: the forced by arrival, then by density
-    spare: int  # pages left after the chosen and the running requests' growth (``admission.growth_pages``)
+    spare: int  # pages left after the chosen and one page of growth per running request
     # The step's seconds (``shape.step_budget``), set after choosing; until then, no promise.
     budget: StepBudget = field(default_factory=lambda: StepBudget(None, math.inf))
 
@@ -72,11 +72,6 @@ class Decision:
     @property
     def step_model(self):
         return self.policy.step_model
-
-    @property
-    def tokens_per_page(self) -> np.ndarray:
-        """Tokens a page holds in each kind, as in ``KINDS``."""
-        return tokens_per_page(self.cache.layout)
 
     def held_extra_s(self, rows) -> float:
         """Predicted extra seconds of a decode step from ``rows`` holding int8 kinds (the hidden kind's

@@ -118,9 +118,6 @@ from apt_serve_ray.scheduler.value import FAIRNESS_PENALTY, MAX_WAIT_S, ValueWei
 # ``step_margin_quantile``: the steps whose prediction error sets the margin (those predicted at 0.1 s or
 # more), and how many before the quantile replaces the envelope.
 STEP_ERROR_WINDOW = 200
-# Tokens of each running request's growth that admission keeps pages for (``admission.growth_pages``): a
-# few hundred tokens cover the outputs of most chats whole; a long one is covered as it comes.
-GROWTH_LOOKAHEAD = 128
 STEP_ERROR_MIN_SAMPLES = 20
 
 
@@ -136,7 +133,6 @@ class AdaptiveScheduler(SchedulingPolicy):
         hidden_cost_steps: float = 8.0, evict_missed: bool = False, priority_preemption: bool = True,
         admission_share: float | None = 0.8, reserve_after: float | None = 0.5, write_off_late: bool = True,
         shed_late: bool = False, step_margin_quantile: float | None = None, evict_within_promise: bool = True,
-        growth_lookahead: int | None = GROWTH_LOOKAHEAD,
     ) -> None:
         super().__init__(config)
         self.weights = ValueWeights(time_weight, memory_weight, slo_weight, priority_weight)
@@ -152,9 +148,6 @@ class AdaptiveScheduler(SchedulingPolicy):
             raise ValueError(f"admission_share: must be in (0, 1] or None, got {admission_share!r}")
         if reserve_after is not None and not 0.0 <= reserve_after < 1.0:
             raise ValueError(f"reserve_after: must be in [0, 1) or None, got {reserve_after!r}")
-        if growth_lookahead is not None and (isinstance(growth_lookahead, bool) or not isinstance(growth_lookahead, int)
-                                             or growth_lookahead < 0):
-            raise ValueError(f"growth_lookahead: must be a whole number of tokens >= 0 or None, got {growth_lookahead!r}")
         if step_margin_quantile is not None and not 0.5 <= step_margin_quantile <= 1.0:
             raise ValueError(f"step_margin_quantile: must be in [0.5, 1] or None, got {step_margin_quantile!r}")
         self.fairness_penalty, self.max_wait_time = float(fairness_penalty), float(max_wait_time)
@@ -178,9 +171,6 @@ class AdaptiveScheduler(SchedulingPolicy):
         # longer than the victim's gap allowance breaks the victim's promise (issue 44: documents with
         # a 1 s gap evicted for chats that ran for seconds). False: any victim of a lower priority.
         self.evict_within_promise = bool(evict_within_promise)
-        # Memory kept for the running requests' growth, out of what admission may give away: their peak
-        # need over this many tokens each (``admission.growth_pages``); None: one page each, as before.
-        self.growth_lookahead = growth_lookahead
         # Admission as a promise (issue 44): a waiting request starts only while the decode step with it
         # (and everyone before it) stays within ``admission_share`` of the step's time target (the
         # rest is left to prefill chunks); None: admit whatever memory allows, as before.
