@@ -13,6 +13,7 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 COMPRESSED_KIND_NAMES = tuple(k.value for k in COMPRESSED)  # ("hidden", "kv-int8", "hidden-int8")
 _DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # see apt_serve_ray.attention
+QUANTIZATIONS = ("int8", "int4")  # weights kept quantized, see apt_serve_ray.models.quant
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,11 @@ class EngineConfig:
     # through the backend's fused kernel (K/V never written); False = gather x, project, attend.
     attention_backend: str = "auto"
     cache_proj_optimize: bool = True
+    # Weights kept quantized (vLLM's name): "int8" (per output channel) or "int4" (groups of 32, as GGUF's
+    # Q4_1) weight-only, quantized at load and multiplied packed (models/quant.py; CPU, bf16 or fp16
+    # activations). None: the checkpoint's weights at ``dtype``. Less memory and a faster single stream,
+    # slower batches and prefill.
+    quantization: str | None = None
     # CPUs the async engine's loop thread (and the OpenMP workers it starts) runs on; None: any.
     cpu_affinity: tuple[int, ...] | None = None
     # AsyncLLMEngine (the server's engine): run the step loop in a process of its own, off the server's
@@ -104,6 +110,13 @@ class EngineConfig:
                     or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in cpus)):
                 raise ValueError(f"cpu_affinity: must be a non-empty list of CPU numbers >= 0, got {cpus!r}")
             object.__setattr__(self, "cpu_affinity", tuple(cpus))
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization: must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
+        if self.quantization is not None and self.dtype == "float32":
+            raise ValueError(f"quantization: {self.quantization} weights need bfloat16 (or float16) activations, "
+                             "not float32: set dtype=bfloat16")
+        if self.quantization is not None and self.device == "cuda":
+            raise ValueError("quantization: quantized weights are served on CPU only (no GPU kernel yet)")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend: must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         _positive_int("block_size", self.block_size)

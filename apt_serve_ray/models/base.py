@@ -50,6 +50,14 @@ def take_optional(state: dict[str, torch.Tensor], name: str, device, dtype) -> t
     return take(state, name, device, dtype) if name in state else None
 
 
+def kv_weight(layer, start: int) -> torch.Tensor:
+    """The K/V rows (``start:``) of a layer's fused q/k/v weight, with which the hidden cache kinds project
+    stored x: a view of the full-width weight, or where ``layer.qkv`` is quantized, the rows it keeps
+    dequantized (the weights the KV path multiplies by, so both kinds agree)."""
+    kept = getattr(layer.qkv, "kept_rows", None)
+    return kept if kept is not None else layer.w_qkv[start:]
+
+
 def fuse(*tensors: torch.Tensor | None) -> torch.Tensor | None:
     """Concatenate projection weights (or biases) along the output dim; None if all are None."""
     present = [t for t in tensors if t is not None]

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from apt_serve_ray.attention import AttentionMetadata, KVProjection
-from apt_serve_ray.models.base import DecoderModel, ModelShape, fuse, take, take_optional
-from apt_serve_ray.models.linear import Linear
+from apt_serve_ray.models.base import DecoderModel, ModelShape, fuse, kv_weight, take, take_optional
+from apt_serve_ray.models.linear import make_linear
 from apt_serve_ray.models.llama import _ACTIVATIONS
 from apt_serve_ray.models.rotary import RotaryEmbedding
 
@@ -41,7 +41,7 @@ def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 
 class _Layer:
-    def __init__(self, state, prefix, device, dtype):
+    def __init__(self, state, prefix, device, dtype, quantization=None, q_rows: int = 0):
         g = lambda n: take(state, prefix + n, device, dtype)  # noqa: E731
         o = lambda n: take_optional(state, prefix + n, device, dtype)  # noqa: E731
         self.input_norm = g("input_layernorm.weight")
@@ -55,16 +55,19 @@ class _Layer:
         self.q_norm, self.k_norm = o("self_attn.q_norm.weight"), o("self_attn.k_norm.weight")  # Gemma 3
         if (self.q_norm is None) != (self.k_norm is None):
             raise ValueError(f"checkpoint: {prefix}self_attn has one of q_norm / k_norm but not the other")
-        self.qkv = Linear(self.w_qkv, self.b_qkv, keep_weight=True)  # the hidden path projects with its K/V rows
-        self.out = Linear(g("self_attn.o_proj.weight"), o("self_attn.o_proj.bias"))
-        self.gate_up = Linear(fuse(g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")))
-        self.down = Linear(g("mlp.down_proj.weight"))
+        # The hidden path projects with its K/V rows (dequantized where quantized).
+        self.qkv = make_linear(self.w_qkv, self.b_qkv, quantization=quantization, keep_weight=True,
+                               keep_rows=len(self.w_qkv) - q_rows)
+        self.out = make_linear(g("self_attn.o_proj.weight"), o("self_attn.o_proj.bias"), quantization=quantization)
+        self.gate_up = make_linear(fuse(g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")), quantization=quantization)
+        self.down = make_linear(g("mlp.down_proj.weight"), quantization=quantization)
 
 
 class GemmaModel(DecoderModel):
     masks_sliding_window = True
 
-    def __init__(self, config, state: dict[str, torch.Tensor], device, dtype, max_model_len: int) -> None:
+    def __init__(self, config, state: dict[str, torch.Tensor], device, dtype, max_model_len: int,
+                 quantization: str | None = None) -> None:
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         self.shape = ModelShape(
@@ -84,11 +87,13 @@ class GemmaModel(DecoderModel):
         self.final_softcap = getattr(config, "final_logit_softcapping", None) or None
         self.embed = take(state, "model.embed_tokens.weight", device, dtype)
         self.embed_scale = torch.tensor(config.hidden_size ** 0.5, dtype=dtype, device=device)
-        self.layers = [_Layer(state, f"model.layers.{i}.", device, dtype) for i in range(self.shape.num_layers)]
+        self.layers = [_Layer(state, f"model.layers.{i}.", device, dtype, quantization, self.q_dim)
+                       for i in range(self.shape.num_layers)]
         self.norm = take(state, "model.norm.weight", device, dtype)
         lm_head = take_optional(state, "lm_head.weight", device, dtype)
         tied = lm_head is None or getattr(config, "tie_word_embeddings", True)
-        self.logits = Linear(self.embed if tied else lm_head, keep_weight=True)
+        self.logits = make_linear(self.embed if tied else lm_head, quantization=None if tied else quantization,
+                                  keep_weight=True)
         types = getattr(config, "layer_types", None) or ["full_attention"] * self.shape.num_layers
         window = getattr(config, "sliding_window", None)
         self.windows = [int(window) if t == "sliding_attention" and window else None for t in types]
@@ -98,10 +103,13 @@ class GemmaModel(DecoderModel):
                     for t in set(types)}
         self.rotaries = [rotaries[t] for t in types]
         self.kv_projections = [
-            KVProjection(lay.w_qkv[self.q_dim:], None if lay.b_qkv is None else lay.b_qkv[self.q_dim:],
+            KVProjection(kv_weight(lay, self.q_dim), None if lay.b_qkv is None else lay.b_qkv[self.q_dim:],
                          self.shape.num_kv_heads, head_dim, rot, lay.k_norm, self.eps, gemma_norm=True)
             for lay, rot in zip(self.layers, self.rotaries)
         ]
+        if quantization is not None:
+            for lay in self.layers:
+                lay.w_qkv = None  # quantized in ``qkv``, which keeps the K/V rows dequantized
 
     def forward(self, input_ids, positions, meta: AttentionMetadata):
         s, eps = self.shape, self.eps

@@ -59,3 +59,23 @@ class Linear:
         if self.weight is None:  # packed only, and an input of another rank: flatten to rows
             return self(x.reshape(-1, x.shape[-1])).unflatten(0, x.shape[:-1])
         return F.linear(x, self.weight, self.bias)
+
+
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, *, quantization: str | None = None,
+                keep_weight: bool = False, keep_rows: int = 0):
+    """A ``Linear``, or with ``quantization`` ("int8" / "int4") a layer whose weight stays quantized
+    (``quant.py``), its last ``keep_rows`` rows also kept dequantized (``kept_rows``)."""
+    if quantization is None:
+        return Linear(weight, bias, keep_weight=keep_weight)
+    from apt_serve_ray.models.quant import quantized_linear
+
+    return quantized_linear(weight, bias, quantization, keep_rows)
+
+
+def weight_bytes(layer) -> int:
+    """Bytes a linear layer holds its weight in (packed, quantized or plain)."""
+    nbytes = getattr(layer, "nbytes", None)
+    if nbytes is not None:
+        return nbytes
+    w = layer.packed if getattr(layer, "packed", None) is not None else layer.weight
+    return w.numel() * w.element_size()

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from apt_serve_ray.models.base import DecoderModel, ModelShape, fuse, take, take_optional
-from apt_serve_ray.models.linear import Linear
+from apt_serve_ray.models.base import DecoderModel, ModelShape, fuse, kv_weight, take, take_optional
+from apt_serve_ray.models.linear import make_linear
 from apt_serve_ray.models.rotary import RotaryEmbedding
 from apt_serve_ray.attention import AttentionMetadata, KVProjection
 
@@ -49,7 +49,7 @@ def layer_windows(config) -> list[int | None]:
 
 
 class _Layer:
-    def __init__(self, state, prefix, device, dtype):
+    def __init__(self, state, prefix, device, dtype, quantization=None, q_rows: int = 0):
         g = lambda n: take(state, prefix + n, device, dtype)  # noqa: E731
         o = lambda n: take_optional(state, prefix + n, device, dtype)  # noqa: E731
         self.input_norm = g("input_layernorm.weight")
@@ -63,19 +63,23 @@ class _Layer:
         self.q_norm, self.k_norm = o("self_attn.q_norm.weight"), o("self_attn.k_norm.weight")  # Qwen3
         if (self.q_norm is None) != (self.k_norm is None):
             raise ValueError(f"checkpoint: {prefix}self_attn has one of q_norm / k_norm but not the other")
-        self.qkv = Linear(self.w_qkv, self.b_qkv, keep_weight=True)  # the hidden path projects with w_qkv's K/V rows
-        self.out = Linear(g("self_attn.o_proj.weight"), o("self_attn.o_proj.bias"))
+        # The hidden path projects with w_qkv's K/V rows (dequantized where quantized).
+        self.qkv = make_linear(self.w_qkv, self.b_qkv, quantization=quantization, keep_weight=True,
+                               keep_rows=len(self.w_qkv) - q_rows)
+        self.out = make_linear(g("self_attn.o_proj.weight"), o("self_attn.o_proj.bias"), quantization=quantization)
         if prefix + "mlp.gate_up_proj.weight" in state:  # Phi-3
-            self.gate_up = Linear(g("mlp.gate_up_proj.weight"))
+            self.gate_up = make_linear(g("mlp.gate_up_proj.weight"), quantization=quantization)
         else:
-            self.gate_up = Linear(fuse(g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")))
-        self.down = Linear(g("mlp.down_proj.weight"))
+            self.gate_up = make_linear(fuse(g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")),
+                                       quantization=quantization)
+        self.down = make_linear(g("mlp.down_proj.weight"), quantization=quantization)
 
 
 class LlamaModel(DecoderModel):
     masks_sliding_window = True
 
-    def __init__(self, config, state: dict[str, torch.Tensor], device, dtype, max_model_len: int) -> None:
+    def __init__(self, config, state: dict[str, torch.Tensor], device, dtype, max_model_len: int,
+                 quantization: str | None = None) -> None:
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         self.shape = ModelShape(
@@ -96,19 +100,24 @@ class LlamaModel(DecoderModel):
         self.kv_dim = self.shape.num_kv_heads * head_dim
         self.scale = head_dim**-0.5
         self.embed = take(state, "model.embed_tokens.weight", device, dtype)
-        self.layers = [_Layer(state, f"model.layers.{i}.", device, dtype) for i in range(self.shape.num_layers)]
+        self.layers = [_Layer(state, f"model.layers.{i}.", device, dtype, quantization, self.q_dim)
+                       for i in range(self.shape.num_layers)]
         self.norm = take(state, "model.norm.weight", device, dtype)
         lm_head = take_optional(state, "lm_head.weight", device, dtype)
         self.lm_head = self.embed if lm_head is None or getattr(config, "tie_word_embeddings", False) else lm_head
-        self.logits = Linear(self.lm_head, keep_weight=True)
+        self.logits = make_linear(self.lm_head, quantization=None if self.lm_head is self.embed else quantization,
+                                  keep_weight=True)
         self.rotary = RotaryEmbedding(config, head_dim, max_model_len, device, dtype)
         # A window no shorter than the longest sequence served masks nothing: those layers attend in full.
         self.windows = [w if w is not None and w < max_model_len else None for w in layer_windows(config)]
         self.kv_projections = [
-            KVProjection(lay.w_qkv[self.q_dim :], None if lay.b_qkv is None else lay.b_qkv[self.q_dim :],
+            KVProjection(kv_weight(lay, self.q_dim), None if lay.b_qkv is None else lay.b_qkv[self.q_dim:],
                          self.shape.num_kv_heads, head_dim, self.rotary, lay.k_norm, self.eps)
             for lay in self.layers
         ]
+        if quantization is not None:
+            for lay in self.layers:
+                lay.w_qkv = None  # quantized in ``qkv``, which keeps the K/V rows dequantized
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, weight, self.eps)

@@ -76,7 +76,16 @@ class ModelRunner:
             model_max = window
         self.max_model_len = config.max_model_len or model_max
         state = load_state_dict(source, self.dtype)
-        self.model: DecoderModel = cls(self.hf_config, state, self.device, self.dtype, self.max_model_len)
+        if config.quantization is not None and self.device.type != "cpu":
+            raise ValueError("quantization: quantized weights are served on CPU only (no GPU kernel yet)")
+        if config.quantization is not None and self.dtype == torch.float32:
+            # torch's kernels for packed int8 / int4 weights: 9-17x the full-width time at one row in
+            # float32, 80-170x at 32-512 rows (bf16: 0.55-0.6x at one row), models/quant.py
+            raise ValueError(f"quantization: {config.quantization} weights need bfloat16 (or float16) activations; "
+                             f"dtype is float32{' (auto, on this CPU)' if config.dtype == 'auto' else ''}: "
+                             "set dtype=bfloat16")
+        self.model: DecoderModel = cls(self.hf_config, state, self.device, self.dtype, self.max_model_len,
+                                       quantization=config.quantization)
         del state
         s = self.model.shape
         self.vocab_size = s.vocab_size

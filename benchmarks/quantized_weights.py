@@ -1,0 +1,172 @@
+"""Weights kept quantized (``quantization`` int8 / int4, issue 43): what they cost in fidelity and buy in
+memory and step time, against the same model at full width in the same dtype.
+
+    python benchmarks/quantized_weights.py [--models smollm2 opt-125m] [--dtypes bfloat16 float32]
+                                           [--batches 1 8 32] [--json docs/benchmarks/quantized_weights.json]
+
+Per model and dtype, each engine in turn (full width, int8, int4):
+
+* fidelity: ``int8_accuracy.py``'s held-out prompts, greedy at full width as the reference; each quantized
+  engine teacher-forced on its tokens (logit error, top-1 agreement) and greedy on its own (the share of
+  tokens before the first difference). The default model ships as Q4_1, so its int4 run holds the shipped
+  4-bit codes, and in float32 should equal the full-width run, which holds them dequantized;
+* memory: bytes of the weights (linear layers, embeddings, norms), and the KV tokens the bytes saved hold;
+* step time: ``ModelRunner.execute`` of a decode batch of B rows at 256 tokens of context each and of a
+  512-token prefill chunk, interleaved across the engines, the fastest of ``--repeats`` (interference only
+  adds time); ratios to full width per shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from apt_serve_ray import LLM
+from apt_serve_ray.bench.engine_args import add_cache_dir, random_checkpoint
+from apt_serve_ray.bench.report import stamp, write_json
+from apt_serve_ray.bench.steps import decode_batch, fake_step, fill_pages, time_step
+from apt_serve_ray.request import CacheKind
+
+sys.path.insert(0, str(Path(__file__).parent))
+from int8_accuracy import PROMPTS, compare, run_kind  # noqa: E402
+
+MODELS = {"smollm2": None, "opt-125m": "opt-125m", "tinyllama-1.1b": "tinyllama-1.1b"}
+VARIANTS = (None, "int8", "int4")
+
+
+def model_bytes(model) -> int:
+    """Bytes of every tensor the model holds (packed, quantized or plain; a tensor shared, e.g. a tied
+    lm-head's embedding, once), found through its attributes, lists and layers."""
+    seen, total = set(), 0
+    stack = [(model, 0)]
+    while stack:
+        obj, depth = stack.pop()
+        if isinstance(obj, torch.Tensor):
+            try:
+                storage = obj.untyped_storage()
+                key, nbytes = storage.data_ptr(), storage.nbytes()
+            except NotImplementedError:  # oneDNN's packed layout (an opaque tensor): its elements
+                key, nbytes = id(obj), obj.numel() * obj.element_size()
+            if key not in seen:
+                seen.add(key)
+                total += nbytes
+        elif depth < 4 and isinstance(obj, (list, tuple)):
+            stack.extend((o, depth + 1) for o in obj)
+        elif depth < 4 and (hasattr(obj, "__dict__") or hasattr(type(obj), "__slots__")):
+            names = list(getattr(obj, "__dict__", {})) + list(getattr(type(obj), "__slots__", ()))
+            stack.extend((getattr(obj, n, None), depth + 1) for n in names)
+    return total
+
+
+def engine(path: str, dtype: str, quantization, num_pages: int, threads: int) -> LLM:
+    return LLM(path, dtype=dtype, quantization=quantization, num_pages=num_pages, calibrate_rho=False,
+               enable_watermarks=False, max_num_batched_tokens=4096, max_num_seqs=64, num_threads=threads,
+               max_model_len=2048)
+
+
+def step_times(llms: dict, batches: list[int], repeats: int) -> dict:
+    """{variant: {shape: seconds}}: decode batches at 256 tokens of context, one 512-token prefill chunk."""
+    shapes = {f"decode x{b}": lambda llm, b=b: decode_batch(llm, b, 256, CacheKind.KV) for b in batches}
+    shapes["prefill 512"] = lambda llm: _prefill(llm)
+    out = {name: {} for name in llms}
+    for label, make in shapes.items():
+        steps = {name: make(llm) for name, llm in llms.items()}
+        for name, llm in llms.items():
+            llm.llm_engine.runner.execute(steps[name])  # warm-up
+        best = {name: float("inf") for name in llms}
+        for _ in range(repeats):
+            for name, llm in llms.items():
+                best[name] = min(best[name], time_step(llm.llm_engine.runner, steps[name]))
+        for name in llms:
+            out[name][label] = best[name]
+    return out
+
+
+def _prefill(llm):
+    runner = llm.llm_engine.runner
+    fill_pages(runner.storage, CacheKind.KV, runner.layout.num_pages_for(512, CacheKind.KV))
+    return fake_step(runner, [(512, 512)], CacheKind.KV)
+
+
+def run_model(name: str, args) -> dict:
+    path = "smollm2-135m-instruct" if MODELS[name] is None else random_checkpoint(MODELS[name], args.cache_dir)
+    result = {"model": name, "dtypes": {}}
+    for dtype in args.dtypes:
+        t0 = time.perf_counter()
+        llms = {str(q): engine(path, dtype, q, args.num_pages, args.threads) for q in VARIANTS}
+        ref = llms["None"].llm_engine
+        tok = llms["None"].get_tokenizer()
+        prompts = [tok.encode(p) for p in PROMPTS]
+        ref_tokens, ref_logits = run_kind(ref, prompts, CacheKind.KV, args.max_tokens)
+        rows = {}
+        for q in VARIANTS:
+            eng = llms[str(q)].llm_engine
+            row = {"weight_bytes": model_bytes(eng.runner.model)}
+            if q is not None:
+                _, tf = run_kind(eng, prompts, CacheKind.KV, args.max_tokens, forced=ref_tokens)
+                free, _ = run_kind(eng, prompts, CacheKind.KV, args.max_tokens)
+                row.update(compare(ref_tokens, ref_logits, tf, free))
+            rows[str(q)] = row
+        layout = ref.runner.layout
+        full = rows["None"]["weight_bytes"]
+        for row in rows.values():
+            row["kv_tokens_in_saved_bytes"] = (full - row["weight_bytes"]) // layout.bytes_per_page * layout.block_size
+        times = step_times(llms, args.batches, args.repeats)
+        for q in VARIANTS:
+            rows[str(q)]["step_s"] = times[str(q)]
+        result["dtypes"][dtype] = rows
+        print(f"{name} {dtype}: {time.perf_counter() - t0:.0f} s", flush=True)
+        del llms, ref
+    return result
+
+
+def print_table(results: list[dict]) -> None:
+    for res in results:
+        for dtype, rows in res["dtypes"].items():
+            print(f"\n{res['model']} {dtype}")
+            labels = list(rows["None"]["step_s"])
+            head = (f"{'weights':<8} {'MB':>7} {'KV tokens':>10} {'TF top1':>8} {'greedy prefix':>13} {'max err':>8} "
+                    + " ".join(f"{lab:>14}" for lab in labels))
+            print(head)
+            print("-" * len(head))
+            base = rows["None"]["step_s"]
+            for q, row in rows.items():
+                cells = " ".join(f"{row['step_s'][lab] * 1e3:7.2f} {row['step_s'][lab] / base[lab]:5.2f}x"
+                                 for lab in labels)
+                fid = (f"{row['teacher_forced_top1']:>8.3f} {row['greedy_prefix']:>13.3f} "
+                       f"{row['max_abs_logit_error']:>8.3f}" if "teacher_forced_top1" in row
+                       else f"{'-':>8} {'-':>13} {'-':>8}")
+                print(f"{'full' if q == 'None' else q:<8} {row['weight_bytes'] / 1e6:>7.1f} "
+                      f"{row['kv_tokens_in_saved_bytes']:>10} {fid} {cells}")
+    print("\nMB: the model's tensors; KV tokens: what the bytes saved hold as KV pages; TF top1: teacher-forced "
+          "top-1 agreement with full width; greedy prefix: share of tokens before the first difference; "
+          "step columns: ms and the ratio to full width")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["smollm2", "opt-125m"], choices=sorted(MODELS))
+    p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--num-pages", type=int, default=1024)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", type=Path, default=None)
+    add_cache_dir(p)
+    args = p.parse_args()
+    torch.manual_seed(0)
+    results = [run_model(m, args) for m in args.models]
+    print_table(results)
+    if args.json:
+        header = stamp(threads=args.threads, dtype=args.dtypes, model=args.models, simulated=False,
+                       batches=args.batches, max_tokens=args.max_tokens, prompts=len(PROMPTS))
+        print("written:", write_json(args.json, {"results": results}, header))
+
+
+if __name__ == "__main__":
+    main()
