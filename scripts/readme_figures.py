@@ -453,8 +453,32 @@ def int8_accuracy(b: Bench) -> Row:
     return Row("int8 cache kinds' accuracy and capacity", figure, lose, on, f"`benchmarks/int8_accuracy.py` (issue 13; {jpath(rel)})")
 
 
+def quantized_weights(b: Bench) -> Row:
+    rel = "quantized_weights.json"
+    d = b(rel)
+    res = {r["model"]: r for r in d["results"]}
+    dtype = "bfloat16"
+    rows = lambda m: res[m]["dtypes"][dtype]  # noqa: E731
+    step = lambda m, q, shape: rows(m)[q]["step_s"][shape] / rows(m)["None"]["step_s"][shape]  # noqa: E731
+    sm = rows("smollm2")
+    figure = (f"SmolLM2-135M in int4 (its shipped Q4_1 codes kept): {num(sm['int4']['weight_bytes'] / 1e6)} MB of tensors "
+              f"against {num(sm['None']['weight_bytes'] / 1e6)} MB, {sm['int4']['kv_tokens_in_saved_bytes']:,} KV tokens more "
+              f"in the same memory; teacher-forced top-1 agreement with full width {pct(sm['int4']['teacher_forced_top1'])}% "
+              f"(int8 {pct(sm['int8']['teacher_forced_top1'])}%); a decode step of one request "
+              f"{ratio(sm['int4']['step_s']['decode x1'], sm['None']['step_s']['decode x1'])} full width's "
+              f"(int8 {ratio(sm['int8']['step_s']['decode x1'], sm['None']['step_s']['decode x1'])}).")
+    lose = (f"batches and prefill: decode of 32 requests {span([step(m, q, 'decode x32') for m in res for q in ('int8', 'int4')])}x "
+            f"and a 512-token prefill {span([step(m, q, 'prefill 512') for m in res for q in ('int8', 'int4')])}x full width's "
+            "(torch's kernels for packed weights are made for a row or two); the aims (TPOT 0.6x in int8, 0.45x in "
+            "4-bit) are not met; float32 refused (the kernels run 9-170x full width there); the default stays full width")
+    on = measured_on(machine(d["machine"]), "SmolLM2-135M-Instruct and random " + ", ".join(m for m in res if m != "smollm2"),
+                     DTYPES[dtype], threads(d["run"]["threads"]), day(d["date"]))
+    return Row("weights kept quantized (int8, int4)", figure, lose, on,
+               f"`benchmarks/quantized_weights.py --dtypes bfloat16` (issue 43; {jpath(rel)})")
+
+
 ROWS: list[Callable[[Bench], Row]] = [bursts_bf16, bursts_fp32, decision_cost, engine_speed_bf16, engine_speed, prefix_reuse, socket_bytes,
-                                     architectures, sampler, int8_accuracy]
+                                     architectures, sampler, int8_accuracy, quantized_weights]
 
 FOOTNOTES = [
     "Built by `scripts/readme_figures.py` from the JSON each row names (ratios, times and rates to 3 significant "
