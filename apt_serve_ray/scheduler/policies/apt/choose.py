@@ -63,18 +63,14 @@ def choose(d: Decision) -> Plan:
     values = value[rest, None] - kind_weight[rest, None] * d.per_page[kinds][None, :]
     if c.copy is not None:
         price_recompute(d, rest, kinds, values, allowed)
-    # The ceiling: what compressed kinds may still take, plus what the running rows in the knapsack
-    # hold now (they are chosen again), less the growth of the first ones that hold compressed pages.
-    # A compressed copy in the tier comes back under it like an admission: its pages are not in the
-    # pool, and counting them as held gave their room to other compressed admissions too (a copy and
-    # a new hidden request came in together past the ceiling).
-    # (The protected and the reserved come back in their copy's kind outside the knapsack: their pages
-    # leave the room the same way.)
+    # The ceiling: what compressed kinds may still take, plus what the rows in the knapsack hold
+    # now (they are chosen again), less the growth of the first ones that hold compressed pages.
+    # (A compressed copy in the tier counts as held: it was admitted under the ceiling, and comes back
+    # under it as a running compressed request grows past it.)
     comp_first = np.flatnonzero(first & c.is_compressed)
-    comp_idx = rest[comp_rest & (rest < n_run)]
-    copies_first = np.flatnonzero(first[n_run:] & (current[n_run:] > 0)) + n_run
-    limit = (ctx.compressed_pages_left + int(c.num_held[comp_idx].sum())
-             - int((first_mem[comp_first] - c.num_held[comp_first]).sum()) - int(c.mem_held[copies_first].sum()))
+    comp_idx = rest[comp_rest]
+    limit = (ctx.compressed_pages_left + int(np.where(comp_idx < n_run, c.num_held[comp_idx], c.mem_held[comp_idx]).sum())
+             - int((first_mem[comp_first] - c.num_held[comp_first]).sum()))
     choice = greedy_choice(values, c.mem[kinds][:, rest].T, allowed, max(0, capacity),
                            compressed=_COMPRESSED[kinds], compressed_limit=max(0, limit),
                            memory_weight=p.weights.memory_weight)

@@ -53,7 +53,7 @@ def compress_for_waiting(d: Decision) -> int:
     rows = np.flatnonzero(plan.pinned[:n_run] & np.isin(held, list(targets)))
     if not rows.size:
         return 0
-    room = ctx.compressed_pages_left - compressed_admissions(d) - compressed_copies(d)
+    room = ctx.compressed_pages_left - compressed_admissions(d)
     headroom = kind_headroom(d)
     freed = 0
     for r in rows[np.argsort(-c.num_held[rows], kind="stable")].tolist():
@@ -81,18 +81,6 @@ def compressed_admissions(d: Decision) -> int:
     n_run = c.num_running
     rows = np.flatnonzero(plan.chosen[n_run:] & (plan.kind[n_run:] > 0)) + n_run
     return int(c.mem[plan.kind[rows], rows].sum()) if rows.size else 0
-
-def compressed_copies(d: Decision) -> int:
-    """Pages of the compressed copies in the tier that the plan does not bring back this step: each
-    comes back in its kind whenever it is chosen, counted as held under the ceiling (``choose``), so
-    compressing in place into their room would take the pool past ``cache_ratio`` then."""
-    c, plan = d.c, d.plan
-    if c.copy is None:
-        return 0
-    n_run = c.num_running
-    rows = np.flatnonzero((c.copy[n_run:] > 0) & ~plan.chosen[n_run:]) + n_run
-    return int(c.mem_held[rows].sum()) if rows.size else 0
-
 
 def kind_headroom(d: Decision) -> float:
     """Seconds the predicted decode step may still grow by before it passes ``tbt_headroom`` x the
