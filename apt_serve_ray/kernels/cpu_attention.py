@@ -51,7 +51,8 @@ from apt_serve_ray.worker.cpu_info import cpu_name, cpuinfo_field
 logger = logging.getLogger("apt_serve_ray")
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("cpu_attention.cpp", "cpu_hidden.cpp", "cpu_prefill.cpp", "cpu_kv_int8.cpp")]
+_SOURCES = [_CSRC / name for name in ("cpu_attention.cpp", "cpu_hidden.cpp", "cpu_prefill.cpp", "cpu_kv_int8.cpp",
+                                       "cpu_woq.cpp")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-std=c++17"]
 
 

@@ -15,13 +15,17 @@ biases, and the K/V rows of the attention's input projection where the hidden ca
 full width (K/V projected from stored x). The lm-head of an untied model is quantized like the layers.
 
 Speed on this project's CPU (AMD EPYC Zen 5, one thread, bf16 activations; ``benchmarks/quantized_weights.py``,
-docs/benchmarks.md, issue 43): at one row, torch's kernels for packed int8 and int4 weights take 0.6-0.7x
-the time of the bf16 weight prepacked for oneDNN (``linear.Linear``) in the layers' shapes; at 8 rows
-1.3-1.9x and at 32 rows 2.1-2.8x: they are made for a row or two. So quantized weights buy memory (and
-time at one stream), not batched throughput; CUDA devices keep full-width weights (no Triton kernel yet).
+docs/benchmarks.md, issue 43), per layer against the bf16 weight prepacked for oneDNN (``linear.Linear``): int8
+through our kernel (``kernels/csrc/cpu_woq.cpp``, AVX-512 BF16) 0.57-0.97x at one row, ~1.0x at 8, 1.25-1.34x at
+32 and ~1.47x at 512; int4 through torch's ``_weight_int4pack_mm_for_cpu`` 0.6-0.7x at one row, 1.3-1.9x at 8,
+2.1-2.8x at 32 (torch's int8 kernel, where ours does not build: 1.9-2.8x at 8-32 rows). In float32 torch's
+kernels run 9-170x full width: quantization is refused there. CUDA devices keep full-width weights.
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 
@@ -60,37 +64,84 @@ def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, minima: torch.Tensor,
     return w.view(n, k)
 
 
-class Int8Linear:
-    """``y = x (q * scale)^T + b`` with the int8 codes kept packed (1 byte a weight)."""
+@functools.cache
+def native_int8_kernel() -> bool:
+    """Whether our int8 kernel (``kernels/csrc/cpu_woq.cpp``: AVX-512 BF16) serves int8 layers here;
+    ``APT_SERVE_WOQ_KERNEL=0`` turns it off (torch's ``_weight_int8pack_mm`` then serves, for A/B runs)."""
+    if os.environ.get("APT_SERVE_WOQ_KERNEL", "1") == "0":
+        return False
+    try:
+        from apt_serve_ray.kernels import cpu_attention
 
-    __slots__ = ("qweight", "scales", "bias", "kept_rows")
+        cpu_attention.load()
+        return bool(torch.ops.apt_serve.woq_native())
+    except RuntimeError:
+        return False
+
+
+def pack_int8(q: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] (K even) -> [N / 16, K / 2, 16, 2], N padded to 16 with zeros: each 32 bytes are 16
+    channels x a pair of inputs, one operand of ``vdpbf16ps`` once converted (``cpu_woq.cpp``)."""
+    n, k = q.shape
+    npad = -(-n // 16) * 16
+    padded = torch.zeros(npad, k, dtype=torch.int8)
+    padded[:n] = q
+    return padded.view(npad // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+class Int8Linear:
+    """``y = x (q * scale)^T + b`` with the int8 codes kept packed (1 byte a weight): our kernel where the
+    CPU has AVX-512 BF16 and the activations are bf16 (reads each weight block once per 4 rows of x, scale
+    and bias applied in float32), torch's ``_weight_int8pack_mm`` elsewhere."""
+
+    __slots__ = ("qweight", "scales", "bias", "kept_rows", "packed", "scale32", "bias32", "out_features")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, keep_rows: int = 0) -> None:
-        self.qweight, scales = quantize_int8(weight)
-        self.scales = scales.to(weight.dtype)
-        self.bias = bias
+        q, scales = quantize_int8(weight)
+        self.out_features = len(weight)
+        self.qweight, self.scales, self.bias = q, scales.to(weight.dtype), bias
         # The last ``keep_rows`` rows as the kernel sees them, at full width (the K/V rows the hidden
         # cache kinds project stored x with: the same weights as the KV path's, so both kinds agree).
         self.kept_rows = self.dequantize()[len(weight) - keep_rows:].to(weight.dtype) if keep_rows else None
+        self.packed = self.scale32 = self.bias32 = None
+        if weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and native_int8_kernel():
+            self.packed = pack_int8(q)
+            npad = self.packed.shape[0] * 16
+            self.scale32 = torch.zeros(npad)
+            self.scale32[: len(weight)] = scales  # float32, as quantized (not rounded to bf16)
+            if bias is not None:
+                self.bias32 = torch.zeros(npad)
+                self.bias32[: len(weight)] = bias.float()
+            self.qweight = None  # one copy of the codes
 
     @property
     def nbytes(self) -> int:
-        return self.qweight.nbytes + self.scales.nbytes
+        codes = self.packed if self.packed is not None else self.qweight
+        return codes.nbytes + (self.scale32 if self.scale32 is not None else self.scales).nbytes
 
     def dequantize(self) -> torch.Tensor:
         """The weight the kernel multiplies by, float32 [N, K]."""
+        if self.qweight is None:  # packed: back to [N, K]
+            npad = self.packed.shape[0] * 16
+            q = self.packed.permute(0, 2, 1, 3).reshape(npad, -1)[: self.out_features]
+            return q.float() * self.scale32[: self.out_features, None]
         return self.qweight.float() * self.scales.float()[:, None]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).contiguous()
-        y = torch._weight_int8pack_mm(rows, self.qweight, self.scales)
-        if self.bias is not None:
-            y += self.bias
+        if self.packed is not None and rows.dtype == torch.bfloat16:
+            y = torch.ops.apt_serve.woq_int8_linear(rows, self.packed, self.scale32, self.bias32, self.out_features)
+        else:
+            q = self.qweight if self.qweight is not None else self.dequantize().round().to(torch.int8)
+            y = torch._weight_int8pack_mm(rows, q, self.scales)
+            if self.bias is not None:
+                y += self.bias
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
 class Int4Linear:
-    """``y = x (d q + m)^T + b`` with 4-bit codes packed two to a byte, groups of ``INT4_GROUP`` inputs."""
+    """``y = x (d q + m)^T + b`` with 4-bit codes packed two to a byte, groups of ``INT4_GROUP`` inputs,
+    multiplied by torch's ``_weight_int4pack_mm_for_cpu`` (which holds d and m + 8d in the activations' dtype)."""
 
     __slots__ = ("packed", "scales_zeros", "bias", "group_size", "kept_rows")
 
@@ -103,7 +154,7 @@ class Int4Linear:
         self.scales_zeros = torch.stack((scales, zeros), dim=-1).transpose(0, 1).contiguous().to(weight.dtype)
         self.bias = bias
         self.group_size = group_size
-        self.kept_rows = None  # as ``Int8Linear.kept_rows``
+        self.kept_rows = None  # as ``Int8Linear.kept_rows``: the last rows as the kernel multiplies by them
         if keep_rows:
             first = len(weight) - keep_rows
             sz = self.scales_zeros[:, first:].float()  # [K / g, rows, 2], as the kernel holds them
