@@ -467,10 +467,12 @@ def quantized_weights(b: Bench) -> Row:
               f"(int8 {pct(sm['int8']['teacher_forced_top1'])}%); a decode step of one request "
               f"{ratio(sm['int4']['step_s']['decode x1'], sm['None']['step_s']['decode x1'])} full width's "
               f"(int8 {ratio(sm['int8']['step_s']['decode x1'], sm['None']['step_s']['decode x1'])}).")
-    lose = (f"batches and prefill: decode of 32 requests {span([step(m, q, 'decode x32') for m in res for q in ('int8', 'int4')])}x "
-            f"and a 512-token prefill {span([step(m, q, 'prefill 512') for m in res for q in ('int8', 'int4')])}x full width's "
-            "(torch's kernels for packed weights are made for a row or two); the aims (TPOT 0.6x in int8, 0.45x in "
-            "4-bit) are not met; float32 refused (the kernels run 9-170x full width there); the default stays full width")
+    both = lambda q, shape: span([step(m, q, shape) for m in res])  # noqa: E731
+    lose = (f"batches and prefill: decode of 32 requests {both('int8', 'decode x32')}x (int8, our kernel) and "
+            f"{both('int4', 'decode x32')}x (int4, torch's kernel) full width's, a 512-token prefill "
+            f"{both('int8', 'prefill 512')}x and {both('int4', 'prefill 512')}x; the aims (TPOT 0.6x in int8, 0.45x "
+            "in 4-bit) are not met; float32 refused (torch's kernels run 9-170x full width there); the default "
+            "stays full width")
     on = measured_on(machine(d["machine"]), "SmolLM2-135M-Instruct and random " + ", ".join(m for m in res if m != "smollm2"),
                      DTYPES[dtype], threads(d["run"]["threads"]), day(d["date"]))
     return Row("weights kept quantized (int8, int4)", figure, lose, on,
