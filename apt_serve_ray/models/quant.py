@@ -139,38 +139,66 @@ class Int8Linear:
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
-class Int4Linear:
-    """``y = x (d q + m)^T + b`` with 4-bit codes packed two to a byte, groups of ``INT4_GROUP`` inputs,
-    multiplied by torch's ``_weight_int4pack_mm_for_cpu`` (which holds d and m + 8d in the activations' dtype)."""
+def pack_int4(q: torch.Tensor, scales: torch.Tensor, minima: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes 0..15 [N, K] with their groups' d and m [N, K / 32] -> (codes [N / 16, K / 2, 16] uint8, two to a
+    byte: of one block's 32 codes for a pair of inputs, code j in byte j's low nibble and code j + 16 in its
+    high nibble; (d, m) [N / 16, K / 32, 16, 2] float32), N padded to 16 (``cpu_woq.cpp``)."""
+    n, k = q.shape
+    npad = -(-n // 16) * 16
+    codes = torch.zeros(npad, k, dtype=torch.uint8)
+    codes[:n] = q.to(torch.uint8)
+    pairs = codes.view(npad // 16, 16, k // 2, 2).permute(0, 2, 1, 3).reshape(npad // 16, k // 2, 32)
+    packed = (pairs[..., :16] | (pairs[..., 16:] << 4)).contiguous()
+    dm = torch.zeros(npad, k // INT4_GROUP, 2)
+    dm[:n, :, 0], dm[:n, :, 1] = scales, minima
+    return packed, dm.view(npad // 16, 16, k // INT4_GROUP, 2).permute(0, 2, 1, 3).contiguous()
 
-    __slots__ = ("packed", "scales_zeros", "bias", "group_size", "kept_rows")
+
+class Int4Linear:
+    """``y = x (d q + m)^T + b`` with 4-bit codes packed two to a byte, groups of ``INT4_GROUP`` inputs: our
+    kernel where the CPU has AVX-512 BF16 and the activations are bf16 (d and m in float32, each group's dot
+    product folded into a float32 sum: 3/4 of a byte a weight), torch's ``_weight_int4pack_mm_for_cpu`` elsewhere. Torch's is faster
+    in bf16 (0.63-0.71x the bf16 weight at one row, against ours' 0.70-0.86x) but holds d and m + 8d in bf16,
+    its only form, and on the default model's chat template that changed the answer from the first token
+    ("What is the capital of France?": "L'Étoile, la Marseur, ..." against full width's "The capital of France
+    is Paris."); ours answers as full width does."""
+
+    __slots__ = ("packed", "scales_zeros", "bias", "group_size", "kept_rows", "dm", "bias32", "out_features")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group_size: int = INT4_GROUP,
                  keep_rows: int = 0) -> None:
         q, scales, minima = quantize_int4(weight, group_size)
-        self.packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
-        # The kernel's form: w = (q - 8) * scale + zero, [K / g, N, 2] in the activations' dtype.
-        zeros = minima + 8.0 * scales
-        self.scales_zeros = torch.stack((scales, zeros), dim=-1).transpose(0, 1).contiguous().to(weight.dtype)
-        self.bias = bias
-        self.group_size = group_size
-        self.kept_rows = None  # as ``Int8Linear.kept_rows``: the last rows as the kernel multiplies by them
-        if keep_rows:
-            first = len(weight) - keep_rows
-            sz = self.scales_zeros[:, first:].float()  # [K / g, rows, 2], as the kernel holds them
-            rows = q[first:].view(keep_rows, -1, group_size).float() - 8.0
-            w = rows * sz[..., 0].T[..., None] + sz[..., 1].T[..., None]
-            self.kept_rows = w.view(keep_rows, -1).to(weight.dtype)
+        self.bias, self.group_size, self.out_features = bias, group_size, len(weight)
+        self.scales_zeros = self.dm = self.bias32 = None
+        if weight.dtype == torch.bfloat16 and group_size == INT4_GROUP and native_int8_kernel():
+            self.packed, self.dm = pack_int4(q, scales, minima)
+            if bias is not None:
+                self.bias32 = torch.zeros(self.packed.shape[0] * 16)
+                self.bias32[: len(weight)] = bias.float()
+            reference = dequantize_int4(q, scales, minima, group_size)  # what the kernel multiplies by
+        else:
+            self.packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+            # The kernel's form: w = (q - 8) * scale + zero, [K / g, N, 2] in the activations' dtype.
+            zeros = minima + 8.0 * scales
+            self.scales_zeros = torch.stack((scales, zeros), dim=-1).transpose(0, 1).contiguous().to(weight.dtype)
+            sz = self.scales_zeros.float()
+            reference = ((q.view(len(weight), -1, group_size).float() - 8.0) * sz[..., 0].T[..., None]
+                         + sz[..., 1].T[..., None]).view(len(weight), -1)
+        # As ``Int8Linear.kept_rows``: the last rows as the kernel multiplies by them, at full width.
+        self.kept_rows = reference[len(weight) - keep_rows:].to(weight.dtype) if keep_rows else None
 
     @property
     def nbytes(self) -> int:
-        return self.packed.nbytes + self.scales_zeros.nbytes
+        return self.packed.nbytes + (self.dm if self.dm is not None else self.scales_zeros).nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).contiguous()
-        y = torch._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scales_zeros)
-        if self.bias is not None:
-            y += self.bias
+        if self.dm is not None and rows.dtype == torch.bfloat16:
+            y = torch.ops.apt_serve.woq_int4_linear(rows, self.packed, self.dm, self.bias32, self.out_features)
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scales_zeros)
+            if self.bias is not None:
+                y += self.bias
         return y.view(*x.shape[:-1], y.shape[-1])
 
 

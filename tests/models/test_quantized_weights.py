@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from apt_serve_ray import LLM, EngineConfig, SamplingParams
 from apt_serve_ray.models.linear import weight_bytes
-from apt_serve_ray.models.quant import (INT4_GROUP, Int4Linear, Int8Linear, dequantize_int4, quantize_int4,
-                                        quantized_linear)
+from apt_serve_ray.models.quant import (INT4_GROUP, Int4Linear, Int8Linear, dequantize_int4, native_int8_kernel,
+                                        quantize_int4, quantized_linear)
 
 
 def _reference(layer, weight: torch.Tensor) -> torch.Tensor:
@@ -77,8 +77,7 @@ def test_a_layer_whose_inputs_are_not_whole_groups_falls_back_to_int8():
 
 def test_the_default_model_in_int4_is_its_shipped_4_bit_self(smollm2):
     """Its 4-bit codes kept, in bf16 the int4 model is about as far from float32 full width (the GGUF
-    dequantized) as bf16 full width is: its scale and zero held in bf16 (the kernel's only form) add a
-    little (measured: largest logit error 1.62 against 1.30, mean 0.19 against 0.13), in a third of the bytes."""
+    dequantized) as bf16 full width is, in a third of the bytes, and answers a chat as full width does."""
     kw = dict(dtype="bfloat16", num_pages=64, max_num_batched_tokens=512, calibrate_rho=False, enable_watermarks=False)
     quant = LLM("smollm2-135m-instruct", quantization="int4", **kw)
     plain = LLM("smollm2-135m-instruct", **kw)
@@ -93,12 +92,20 @@ def test_the_default_model_in_int4_is_its_shipped_4_bit_self(smollm2):
             if name == "quant":  # teacher-forced: the same next token at every position
                 assert (logits.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9, prompt
     assert max(errors["quant"]) < 1.5 * max(errors["plain"]), errors
+    if native_int8_kernel():  # our int4 kernel (d and m in float32); torch's holds them in bf16 and answered
+        # this one "L'Étoile, la Marseur, la France, ..." from the first token
+        chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                       add_generation_prompt=True)
+        chat = chat if isinstance(chat, list) else chat["input_ids"]
+        params = SamplingParams(temperature=0, max_tokens=16)
+        assert (quant.generate([chat], params)[0].outputs[0].text == plain.generate([chat], params)[0].outputs[0].text
+                == "The capital of France is Paris.")
 
     def layer_bytes(llm):
         return sum(weight_bytes(lin) for lay in llm.llm_engine.runner.model.layers
                    for lin in (lay.qkv, lay.out, lay.gate_up, lay.down))
 
-    assert layer_bytes(quant) < 0.35 * layer_bytes(plain)  # 4 bits + a bf16 scale and zero per 32, vs 16 bits
+    assert layer_bytes(quant) < 0.4 * layer_bytes(plain)  # 4 bits + a float32 d and m per 32 (torch's: bf16), vs 16
 
 
 @pytest.mark.parametrize("shape", ["opt-tiny", "llama-tiny-gqa"])
