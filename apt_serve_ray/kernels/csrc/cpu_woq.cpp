@@ -185,6 +185,12 @@ template <int64_t B>
 void rows4(const uint16_t* x, const float* xsum, int64_t groups, int64_t m, int64_t k2, const uint8_t* w, int64_t kp,
            const float* dm, const float* bp, int64_t n0, int64_t n, c10::BFloat16* y) {
   int64_t r = 0;
+  if constexpr (B == 4) {  // 4 rows x 2 blocks a pass where there are 4 rows: the codes converted once for 4
+    for (; r + 4 <= m; r += 4)
+      for (int64_t b = 0; b < 4; b += 2)
+        tile4<4, 2>(x + r * k2, k2, xsum + r * groups, groups, w + b * kp * 16, kp, dm + b * groups * 32, bp,
+                    n0 + 16 * b, n, y + r * n, n);
+  }
   for (; r + 2 <= m; r += 2) tile4<2, B>(x + r * k2, k2, xsum + r * groups, groups, w, kp, dm, bp, n0, n, y + r * n, n);
   if (r < m) tile4<1, B>(x + r * k2, k2, xsum + r * groups, groups, w, kp, dm, bp, n0, n, y + r * n, n);
 }
