@@ -158,8 +158,9 @@ def pack_int4(q: torch.Tensor, scales: torch.Tensor, minima: torch.Tensor) -> tu
 class Int4Linear:
     """``y = x (d q + m)^T + b`` with 4-bit codes packed two to a byte, groups of ``INT4_GROUP`` inputs: our
     kernel where the CPU has AVX-512 BF16 and the activations are bf16 (d and m in float32, each group's dot
-    product folded into a float32 sum: 3/4 of a byte a weight), torch's ``_weight_int4pack_mm_for_cpu`` elsewhere. Torch's is faster
-    in bf16 at one row (0.63-0.71x the bf16 weight, against ours' 0.67-0.96x) but holds d and m + 8d in bf16,
+    product folded into a float32 sum: 3/4 of a byte a weight), torch's ``_weight_int4pack_mm_for_cpu``
+    elsewhere. Torch's is faster in bf16 at one row (0.63-0.71x the bf16 weight, against ours' 0.67-0.96x) but
+    holds d and m + 8d in bf16,
     its only form, and on the default model's chat template that changed the answer from the first token
     ("What is the capital of France?": "L'Étoile, la Marseur, ..." against full width's "The capital of France
     is Paris."); ours answers as full width does."""
