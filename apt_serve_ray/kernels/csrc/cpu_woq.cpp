@@ -121,8 +121,9 @@ at::Tensor woq_int8_linear(const at::Tensor& x, const at::Tensor& packed, const 
 
 // int4, groups of G = 32 inputs (GGUF Q4_1's form, models/quant.py): w = d q + m, q in 0..15, d and m float32
 // per channel and group (float16, as GGUF stores them, measured less faithful: largest logit error on the default
-// model 1.23 against 0.80, teacher-forced top-1 96.4% against 100%, for an eighth of a byte a weight). Packed [N / 16][K / 2][16] bytes: of one block's 32 codes for a pair of inputs, code j
-// in byte j's low nibble and code j + 16 in its high nibble. Per group:
+// model 1.23 against 0.80, teacher-forced top-1 96.4% against 100%, for an eighth of a byte a weight).
+// Packed [N / 16][K / 2][16] bytes: of one block's 32 codes for a pair of inputs, code j in byte j's low nibble
+// and code j + 16 in its high nibble. Per group:
 //   y[n] += d[n, g] * (x_g . q_g[n]) + m[n, g] * sum(x_g)
 // the dot by vdpbf16ps on codes converted to bf16 (exact), folded into the float32 sum at the group's end.
 //   dm [N / 16][K / G][16][2] float32: (d, m) per channel of each block and group.
@@ -204,7 +205,8 @@ at::Tensor woq_int4_linear(const at::Tensor& x, const at::Tensor& packed, const 
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.size(2) == 16,
               "woq_int4_linear: packed [N/16, K/2, 16] uint8");
   const int64_t m = x.size(0), kp = packed.size(1), nb = packed.size(0);
-  TORCH_CHECK(x.size(1) == 2 * kp && x.size(1) % 32 == 0, "woq_int4_linear: x has ", x.size(1), " inputs, the weight ", 2 * kp);
+  TORCH_CHECK(x.size(1) == 2 * kp && x.size(1) % 32 == 0, "woq_int4_linear: x has ", x.size(1),
+              " inputs, the weight ", 2 * kp);
   const int64_t groups = x.size(1) / 32;
   TORCH_CHECK(dm.scalar_type() == at::kFloat && dm.numel() == nb * groups * 32 && n <= nb * 16, "woq_int4_linear: dm");
   auto y = at::empty({m, n}, x.options());
