@@ -19,8 +19,8 @@ docs/benchmarks.md, issue 43), per layer against the bf16 weight prepacked for o
 our kernels (``kernels/csrc/cpu_woq.cpp``, AVX-512 BF16): int8 0.57-0.97x at one row, ~1.0x at 8, 1.25-1.34x at 32,
 ~1.47x at 512; int4 0.67-0.96x at one row, 1.3-1.5x at 8, 1.8-2.0x at 32, ~2.3x at 512. Where ours do not
 build, torch's serve (``_weight_int8pack_mm``: 1.9-2.8x at 8-32 rows; ``_weight_int4pack_mm_for_cpu``, faster
-than ours but with d and m + 8d in bf16: see ``Int4Linear``). In float32 torch's kernels run 9-170x full width: quantization is refused
-there. CUDA devices keep full-width weights.
+than ours but with d and m + 8d in bf16: see ``Int4Linear``). In float32 torch's kernels run 9-170x full
+width: quantization is refused there. CUDA devices keep full-width weights.
 """
 
 from __future__ import annotations
