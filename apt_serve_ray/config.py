@@ -20,8 +20,9 @@ QUANTIZATIONS = ("int8", "int4")  # weights kept quantized, see apt_serve_ray.mo
 class EngineConfig:
     """Everything the engine needs to start.
 
-    Cache size: ``num_pages`` wins over ``cache_budget_bytes``; with neither, the engine uses 512 MiB on
-    CPU and 80% of the free accelerator memory after loading weights on CUDA.
+    Cache size: ``num_pages`` wins over ``cache_budget_bytes``, which wins over ``memory_budget_bytes`` (the
+    weights and the cache together: the cache gets what the weights, as held, leave); with none, the engine
+    uses 512 MiB on CPU and 80% of the free accelerator memory after loading weights on CUDA.
     """
 
     model: str = DEFAULT_MODEL
@@ -50,6 +51,9 @@ class EngineConfig:
     # Cache.
     block_size: int = 16
     cache_budget_bytes: int | None = None
+    # The weights and the cache together: the pages are what the model's tensors leave of it, so weights kept
+    # quantized (``quantization``) leave more to the cache. ``num_pages`` and ``cache_budget_bytes`` win.
+    memory_budget_bytes: int | None = None
     num_pages: int | None = None
     # The ceiling of the share of the pool's pages held in compressed kinds (hidden, kv-int8,
     # hidden-int8); 0: KV pages only, whatever the policy. Below it ``apt`` chooses kinds by value;
@@ -122,7 +126,7 @@ class EngineConfig:
         _positive_int("block_size", self.block_size)
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
-        for name in ("max_model_len", "num_threads", "num_pages", "cache_budget_bytes"):
+        for name in ("max_model_len", "num_threads", "num_pages", "cache_budget_bytes", "memory_budget_bytes"):
             value = getattr(self, name)
             if value is not None:
                 _positive_int(name, value)

@@ -29,6 +29,7 @@ from apt_serve_ray import LLM
 from apt_serve_ray.bench.engine_args import add_cache_dir, random_checkpoint
 from apt_serve_ray.bench.report import stamp, write_json
 from apt_serve_ray.bench.steps import decode_batch, fake_step, fill_pages, time_step
+from apt_serve_ray.models.base import tensor_bytes
 from apt_serve_ray.request import CacheKind
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -36,30 +37,6 @@ from int8_accuracy import PROMPTS, compare, run_kind  # noqa: E402
 
 MODELS = {"smollm2": None, "opt-125m": "opt-125m", "tinyllama-1.1b": "tinyllama-1.1b"}
 VARIANTS = (None, "int8", "int4")
-
-
-def model_bytes(model) -> int:
-    """Bytes of every tensor the model holds (packed, quantized or plain; a tensor shared, e.g. a tied
-    lm-head's embedding, once), found through its attributes, lists and layers."""
-    seen, total = set(), 0
-    stack = [(model, 0)]
-    while stack:
-        obj, depth = stack.pop()
-        if isinstance(obj, torch.Tensor):
-            try:
-                storage = obj.untyped_storage()
-                key, nbytes = storage.data_ptr(), storage.nbytes()
-            except NotImplementedError:  # oneDNN's packed layout (an opaque tensor): its elements
-                key, nbytes = id(obj), obj.numel() * obj.element_size()
-            if key not in seen:
-                seen.add(key)
-                total += nbytes
-        elif depth < 4 and isinstance(obj, (list, tuple)):
-            stack.extend((o, depth + 1) for o in obj)
-        elif depth < 4 and (hasattr(obj, "__dict__") or hasattr(type(obj), "__slots__")):
-            names = list(getattr(obj, "__dict__", {})) + list(getattr(type(obj), "__slots__", ()))
-            stack.extend((getattr(obj, n, None), depth + 1) for n in names)
-    return total
 
 
 def engine(path: str, dtype: str, quantization, num_pages: int, threads: int) -> LLM:
@@ -105,7 +82,7 @@ def run_model(name: str, args) -> dict:
         rows = {}
         for q in VARIANTS:
             eng = llms[str(q)].llm_engine
-            row = {"weight_bytes": model_bytes(eng.runner.model)}
+            row = {"weight_bytes": tensor_bytes(eng.runner.model)}
             if q is not None:
                 _, tf = run_kind(eng, prompts, CacheKind.KV, args.max_tokens, forced=ref_tokens)
                 free, _ = run_kind(eng, prompts, CacheKind.KV, args.max_tokens)

@@ -40,6 +40,30 @@ class DecoderModel:
         return self.kv_projections[layer](x, positions)
 
 
+def tensor_bytes(obj) -> int:
+    """Bytes of every tensor ``obj`` (a model) holds, found through its attributes, lists and layers: packed,
+    quantized or plain, a tensor shared (a tied lm-head's embedding) counted once."""
+    seen, total = set(), 0
+    stack = [(obj, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, torch.Tensor):
+            try:
+                storage = item.untyped_storage()
+                key, nbytes = storage.data_ptr(), storage.nbytes()
+            except NotImplementedError:  # oneDNN's packed layout (an opaque tensor): its elements
+                key, nbytes = id(item), item.numel() * item.element_size()
+            if key not in seen:
+                seen.add(key)
+                total += nbytes
+        elif depth < 4 and isinstance(item, (list, tuple)):
+            stack.extend((o, depth + 1) for o in item)
+        elif depth < 4 and (hasattr(item, "__dict__") or hasattr(type(item), "__slots__")):
+            names = list(getattr(item, "__dict__", {})) + list(getattr(type(item), "__slots__", ()))
+            stack.extend((getattr(item, n, None), depth + 1) for n in names)
+    return total
+
+
 def take(state: dict[str, torch.Tensor], name: str, device, dtype) -> torch.Tensor:
     if name not in state:
         raise ValueError(f"checkpoint: missing weight {name!r}")

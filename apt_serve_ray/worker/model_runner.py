@@ -15,6 +15,7 @@ from apt_serve_ray.config import EngineConfig
 from apt_serve_ray.worker.cpu_info import has_native_bf16 as cpu_has_native_bf16
 from apt_serve_ray.models.loader import ModelSource, load_config, load_state_dict
 from apt_serve_ray.models import DecoderModel, model_class
+from apt_serve_ray.models.base import tensor_bytes
 from apt_serve_ray.models.llama import sliding_window
 from apt_serve_ray.attention import AttentionMetadata, DecodeGroup, PrefillChunk, SlotWrite, make_backend
 from apt_serve_ray.attention.metadata import ContextSegment, SegmentedDecode
@@ -104,6 +105,13 @@ class ModelRunner:
         if self.config.num_pages is not None:
             return self.config.num_pages
         budget = self.config.cache_budget_bytes
+        if budget is None and self.config.memory_budget_bytes is not None:
+            weights = tensor_bytes(self.model)
+            budget = self.config.memory_budget_bytes - weights
+            if budget < self.layout.bytes_per_page:
+                raise ValueError(f"memory_budget_bytes: {self.config.memory_budget_bytes} bytes leave no page "
+                                 f"({self.layout.bytes_per_page} bytes) beside the weights' {weights} bytes")
+            logger.info("memory budget: %.1f MiB of weights, %.1f MiB for the cache", weights / 2**20, budget / 2**20)
         if budget is None:
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)

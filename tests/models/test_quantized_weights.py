@@ -137,3 +137,18 @@ def test_quantization_is_validated():
         EngineConfig(quantization="int8", device="cuda")
     with pytest.raises(ValueError, match="quantization.*bfloat16"):  # torch's packed kernels crawl in float32
         EngineConfig(quantization="int4", dtype="float32")
+
+
+def test_a_memory_budget_gives_the_cache_what_the_weights_leave(checkpoint):
+    """``memory_budget_bytes``: the weights and the cache together; weights kept quantized leave the cache the
+    bytes they save, page for page. A budget the weights alone fill is refused, naming the field."""
+    from apt_serve_ray.models.base import tensor_bytes
+
+    path = checkpoint("opt-tiny")
+    kw = dict(dtype="bfloat16", memory_budget_bytes=16 << 20, calibrate_rho=False, enable_watermarks=False)
+    full, quant = LLM(path, **kw).llm_engine.runner, LLM(path, quantization="int4", **kw).llm_engine.runner
+    for runner in (full, quant):
+        assert runner.num_pages == ((16 << 20) - tensor_bytes(runner.model)) // runner.layout.bytes_per_page
+    assert tensor_bytes(quant.model) < tensor_bytes(full.model) and quant.num_pages > full.num_pages
+    with pytest.raises(ValueError, match="memory_budget_bytes"):
+        LLM(path, dtype="bfloat16", memory_budget_bytes=1024, calibrate_rho=False)
