@@ -130,11 +130,10 @@ class Int8Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).contiguous()
-        if self.packed is not None and rows.dtype == torch.bfloat16:
+        if self.packed is not None:  # our layout: bf16 activations (the kernel checks)
             y = torch.ops.apt_serve.woq_int8_linear(rows, self.packed, self.scale32, self.bias32, self.out_features)
         else:
-            q = self.qweight if self.qweight is not None else self.dequantize().round().to(torch.int8)
-            y = torch._weight_int8pack_mm(rows, q, self.scales)
+            y = torch._weight_int8pack_mm(rows, self.qweight, self.scales)
             if self.bias is not None:
                 y += self.bias
         return y.view(*x.shape[:-1], y.shape[-1])
@@ -160,10 +159,9 @@ class Int4Linear:
     kernel where the CPU has AVX-512 BF16 and the activations are bf16 (d and m in float32, each group's dot
     product folded into a float32 sum: 3/4 of a byte a weight), torch's ``_weight_int4pack_mm_for_cpu``
     elsewhere. Torch's is faster in bf16 at one row (0.63-0.71x the bf16 weight, against ours' 0.67-0.96x) but
-    holds d and m + 8d in bf16,
-    its only form, and on the default model's chat template that changed the answer from the first token
-    ("What is the capital of France?": "L'Étoile, la Marseur, ..." against full width's "The capital of France
-    is Paris."); ours answers as full width does."""
+    holds d and m + 8d in bf16, its only form, and on the default model's chat template that changed the answer
+    from the first token ("What is the capital of France?": "L'Étoile, la Marseur, ..." against full width's
+    "The capital of France is Paris."); ours answers as full width does."""
 
     __slots__ = ("packed", "scales_zeros", "bias", "group_size", "kept_rows", "dm", "bias32", "out_features")
 
@@ -195,7 +193,7 @@ class Int4Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).contiguous()
-        if self.dm is not None and rows.dtype == torch.bfloat16:
+        if self.dm is not None:  # our layout: bf16 activations (the kernel checks)
             y = torch.ops.apt_serve.woq_int4_linear(rows, self.packed, self.dm, self.bias32, self.out_features)
         else:
             y = torch._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scales_zeros)

@@ -77,8 +77,6 @@ class ModelRunner:
             model_max = window
         self.max_model_len = config.max_model_len or model_max
         state = load_state_dict(source, self.dtype)
-        if config.quantization is not None and self.device.type != "cpu":
-            raise ValueError("quantization: quantized weights are served on CPU only (no GPU kernel yet)")
         if config.quantization is not None and self.dtype == torch.float32:
             # torch's kernels for packed int8 / int4 weights: 9-17x the full-width time at one row in
             # float32, 80-170x at 32-512 rows (bf16: 0.55-0.6x at one row), models/quant.py

@@ -40,6 +40,33 @@ inline __m512bh load_block(const int8_t* p) {  // 32 int8 -> 32 bf16, in order
   return _mm512_cvtne2ps_pbh(hi, lo);
 }
 
+// One pair of inputs k: the B blocks' codes (converted to bf16) times each of R rows' pair of x, into acc.
+template <int64_t R, int64_t B>
+inline void dot_pair(__m512 (&acc)[R][B], const __m512bh (&wv)[B], const uint16_t* x, int64_t ldx, int64_t k) {
+  for (int64_t r = 0; r < R; ++r) {
+    uint32_t pair;
+    std::memcpy(&pair, x + r * ldx + 2 * k, 4);
+    const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
+    for (int64_t b = 0; b < B; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], wv[b], xv);
+  }
+}
+
+// y[r, c0 .. c0 + 15] = acc * scale + bias (scale null: 1), as bf16; the last block's tail channels masked off.
+template <int64_t R, int64_t B>
+inline void store_tile(const __m512 (&acc)[R][B], const float* scale, const float* bias, int64_t n0, int64_t n,
+                       c10::BFloat16* y, int64_t ldy) {
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t c0 = n0 + 16 * b;
+    if (c0 >= n) break;
+    const __m512 s = scale ? _mm512_loadu_ps(scale + c0) : _mm512_set1_ps(1.f);
+    const __m512 bb = bias ? _mm512_loadu_ps(bias + c0) : _mm512_setzero_ps();
+    const __mmask16 keep = n - c0 >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - c0)) - 1);
+    for (int64_t r = 0; r < R; ++r)
+      _mm256_mask_storeu_epi16(y + r * ldy + c0, keep,
+                               reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_fmadd_ps(acc[r][b], s, bb))));
+  }
+}
+
 // R rows of x against B consecutive blocks (w: the first block; a block is kp * 32 bytes).
 template <int64_t R, int64_t B>
 void tile(const uint16_t* x, int64_t ldx, const int8_t* w, int64_t kp, const float* scale, const float* bias,
@@ -51,23 +78,9 @@ void tile(const uint16_t* x, int64_t ldx, const int8_t* w, int64_t kp, const flo
   for (int64_t k = 0; k < kp; ++k) {
     __m512bh wv[B];
     for (int64_t b = 0; b < B; ++b) wv[b] = load_block(w + b * stride + k * 32);
-    for (int64_t r = 0; r < R; ++r) {
-      uint32_t pair;
-      std::memcpy(&pair, x + r * ldx + 2 * k, 4);
-      const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
-      for (int64_t b = 0; b < B; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], wv[b], xv);
-    }
+    dot_pair<R, B>(acc, wv, x, ldx, k);
   }
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t c0 = n0 + 16 * b;
-    if (c0 >= n) break;
-    const __m512 s = _mm512_loadu_ps(scale + c0);
-    const __m512 bb = bias ? _mm512_loadu_ps(bias + c0) : _mm512_setzero_ps();
-    const __mmask16 keep = n - c0 >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - c0)) - 1);
-    for (int64_t r = 0; r < R; ++r)
-      _mm256_mask_storeu_epi16(y + r * ldy + c0, keep,
-                               reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_fmadd_ps(acc[r][b], s, bb))));
-  }
+  store_tile<R, B>(acc, scale, bias, n0, n, y, ldy);
 }
 
 template <int64_t B>
@@ -155,12 +168,7 @@ void tile4(const uint16_t* x, int64_t ldx, const float* xsum, int64_t groups, co
     for (int64_t k = g * per_group; k < (g + 1) * per_group; ++k) {
       __m512bh wv[B];
       for (int64_t b = 0; b < B; ++b) wv[b] = load_block4(w + b * stride + k * 16);
-      for (int64_t r = 0; r < R; ++r) {
-        uint32_t pair;
-        std::memcpy(&pair, x + r * ldx + 2 * k, 4);
-        const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
-        for (int64_t b = 0; b < B; ++b) dot[r][b] = _mm512_dpbf16_ps(dot[r][b], wv[b], xv);
-      }
+      dot_pair<R, B>(dot, wv, x, ldx, k);
     }
     for (int64_t b = 0; b < B; ++b) {
       const float* p = dm + b * dm_stride + g * 32;  // 16 (d, m) pairs
@@ -171,15 +179,7 @@ void tile4(const uint16_t* x, int64_t ldx, const float* xsum, int64_t groups, co
         acc[r][b] = _mm512_fmadd_ps(dot[r][b], d, _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * groups + g]), acc[r][b]));
     }
   }
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t c0 = n0 + 16 * b;
-    if (c0 >= n) break;
-    const __m512 bb = bias ? _mm512_loadu_ps(bias + c0) : _mm512_setzero_ps();
-    const __mmask16 keep = n - c0 >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - c0)) - 1);
-    for (int64_t r = 0; r < R; ++r)
-      _mm256_mask_storeu_epi16(y + r * ldy + c0, keep,
-                               reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][b], bb))));
-  }
+  store_tile<R, B>(acc, nullptr, bias, n0, n, y, ldy);
 }
 
 template <int64_t B>
