@@ -72,6 +72,10 @@ def engine_options(name: str, args) -> dict:
         return dict(engine_options("apt", args), policy_options={"write_off_late": False})
     if name == "apt-evictany":  # priority preemption of any victim, even one that cannot be back in time
         return dict(engine_options("apt", args), policy_options={"evict_within_promise": False})
+    if name == "apt-inturn":  # those predicted late written off in turn, not the fewest (the longest first)
+        return dict(engine_options("apt", args), policy_options={"write_off_fewest": False})
+    if name == "apt-prev":  # as before issue 44's fifth pass: in turn, the reservation passed on at admission
+        return dict(engine_options("apt", args), policy_options={"write_off_fewest": False, "keep_reservation": False})
     if name == "apt-notier":  # apt without the tier below memory: preempted requests are recomputed
         return dict(engine_options("apt", args), swap_space=0.0)
     if name == "apt-kv":
@@ -79,7 +83,7 @@ def engine_options(name: str, args) -> dict:
     if name in ("sarathi", "fcfs", "priority"):
         return dict(common, policy=name, cache_ratio=0.0, enable_hybrid_cache=False, calibrate_rho=False,
                     swap_space=0.0)
-    raise SystemExit(f"--policies: unknown {name!r}; valid: apt apt-open apt-keeplate apt-evictany apt-notier apt-kv sarathi fcfs priority")
+    raise SystemExit(f"--policies: unknown {name!r}; valid: apt apt-open apt-keeplate apt-evictany apt-inturn apt-prev apt-notier apt-kv sarathi fcfs priority")
 
 
 def run_engine(args) -> dict:

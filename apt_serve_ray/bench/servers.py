@@ -86,6 +86,10 @@ OURS_VARIANTS = {
     "ours-p99": dict(policy_options={"step_margin_quantile": 0.99}),
     # priority preemption of any lower-priority victim, as before the victims' promises were kept
     "ours-evictany": dict(policy_options={"evict_within_promise": False}),
+    # requests predicted late written off in turn, each that does not fit, not the fewest (the longest first)
+    "ours-inturn": dict(policy_options={"write_off_fewest": False}),
+    # as before issue 44's fifth pass: written off in turn, the reservation passed on at admission
+    "ours-prev": dict(policy_options={"write_off_fewest": False, "keep_reservation": False}),
 }
 # vLLM with its defaults (FCFS, prefix caching on), with priorities (told each request's), without
 # prefix caching (a lab baseline: users run vLLM with it on).

@@ -384,3 +384,85 @@ def test_the_prefill_loop_stopping_early_changes_no_decision(monkeypatch):
 
     assert decisions(True) == decisions(False)
 
+
+
+def _fewest_by_brute_force(own, slack) -> int:
+    """The fewest rows late for one server in deadline order: the largest subset whose prefix sums
+    meet every deadline of the subset (rows already in deadline order)."""
+    import itertools
+
+    n = len(own)
+    for k in range(n, -1, -1):
+        for kept in itertools.combinations(range(n), k):
+            if all(sum(own[j] for j in kept[: m + 1]) <= slack[i] for m, i in enumerate(kept)):
+                return n - k
+    return n
+
+
+def test_writing_off_the_longest_first_loses_the_fewest_of_a_priority():
+    from apt_serve_ray.scheduler.policies.apt.admission import fewest_late, in_turn_late
+
+    # A long request first, then three short ones: in turn keeps the long one and loses two; the
+    # fewest loses only the long one.
+    own, slack, prio = np.array([4.0, 1.0, 1.0, 1.0]), np.array([5.0, 5.5, 5.8, 5.9]), np.zeros(4)
+    assert in_turn_late(own, slack, prio, 0, lead=False).tolist() == [False, False, True, True]
+    assert fewest_late(own, slack, prio, 0, lead=False).tolist() == [True, False, False, False]
+    # The reserved request (the lead) is traded the same way for its peers, whose deadlines come after
+    # its own ...
+    assert fewest_late(own, slack, prio, 0, lead=True).tolist() == [True, False, False, False]
+    # ... but never for requests with nearer deadlines (a stream of short ones behind it).
+    near = np.array([5.0, 4.5, 4.8, 4.9])
+    assert fewest_late(own, near, prio, 0, lead=True).tolist() == [False, True, True, True]
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n = int(rng.integers(1, 8))
+        own = rng.uniform(0.2, 3.0, n)
+        slack = np.sort(rng.uniform(0.5, 8.0, n))
+        late = fewest_late(own, slack, np.zeros(n), 0, lead=False)
+        assert late.sum() == _fewest_by_brute_force(own.tolist(), slack.tolist())
+        assert late.sum() <= in_turn_late(own, slack, np.zeros(n), 0, lead=False).sum()
+        kept = np.flatnonzero(~late)
+        assert np.all(np.cumsum(own[kept]) <= slack[kept] + 1e-12)
+
+
+def test_the_more_important_are_never_written_off_for_the_less():
+    from apt_serve_ray.scheduler.policies.apt.admission import fewest_late
+
+    # Two chats (priority 0) first, then two documents: the long chat stays, documents pay.
+    own, slack, prio = np.array([3.0, 0.5, 2.0, 2.0]), np.array([4.0, 4.0, 6.0, 7.0]), np.array([0, 0, 10, 10.0])
+    assert fewest_late(own, slack, prio, 0, lead=False).tolist() == [False, False, False, True]
+    # A document that cannot fit behind the chats alone is written off at once.
+    own, slack, prio = np.array([3.0, 3.0, 1.0]), np.array([4.0, 6.5, 6.8]), np.array([0, 0, 10.0])
+    assert fewest_late(own, slack, prio, 0, lead=False).tolist() == [False, False, True]
+
+
+def _document_burst(**policy_kw) -> str:
+    """Twelve documents of 900-1,500 tokens 0.2 s apart, 6 s TTFT: the engine keeps up with about half.
+    Returns which met their TTFT, in arrival order ("x" met, "." missed)."""
+    cost = CostModel(base_s=0.02, per_token_s=0.0014, per_context_s=1e-5, hidden_context_s=0.0, prefill_pair_s=5e-7)
+    config = EngineConfig(policy="apt", calibrate_rho=False, enable_watermarks=False, max_num_batched_tokens=512,
+                          swap_space=0)
+    policy = AdaptiveScheduler(config=config, rho=0.0, step_model=cost, tbt_headroom=0.8, **policy_kw)
+    sim = SimulatedEngine(config, layout=MHA_LAYOUT, num_pages=900, policy=policy, cost=cost)
+    lengths = [1500, 900, 1200, 1000, 1400, 950] * 2
+    docs, next_doc = [], sim.now
+    while len(docs) < len(lengths) or any(not d.is_finished for d in docs):
+        if len(docs) < len(lengths) and sim.now >= next_doc:
+            docs.append(sim.add(lengths[len(docs)], 4, tbt_slo_ms=1000, ttft_slo_ms=6000))
+            next_doc += 0.2
+        sim.step()
+    assert sim.llm_engine.cache.pool.num_free_pages == sim.llm_engine.cache.pool.num_pages
+    return "".join("x" if d.first_token_time - d.arrival_time < 6.0 else "." for d in docs)
+
+
+def test_a_burst_of_documents_is_not_served_a_chunk_each_in_turn():
+    """Before: the reservation passed on at admission went to the next oldest document at every step,
+    whose first chunk then led that step, and the documents written off were those that came last:
+    each got a chunk in turn and 9 of 12 ran late. The reservation now stays with its request until
+    its first token, and those written off are the fewest (the longest first, the reserved one too
+    for its peers)."""
+    before = _document_burst(write_off_fewest=False, keep_reservation=False)
+    assert before.count("x") <= 3, before
+    assert _document_burst(write_off_fewest=False).count("x") >= 5
+    assert _document_burst(keep_reservation=False).count("x") >= 5
+    assert _document_burst().count("x") >= 6

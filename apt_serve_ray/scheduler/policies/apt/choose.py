@@ -30,7 +30,7 @@ def choose(d: Decision) -> Plan:
     pinned = np.zeros(n, dtype=bool)
     pinned[:n_run] = ~forced[:n_run] & (~c.missed[:n_run] if p.evict_missed else True)
     # Memory the pinned and forced take first, in their current kind (KV for new forced ones).
-    reserved = reserved_row(c, forced, p.reserve_after)
+    reserved = reserved_row(c, forced, p.reserve_after, p.reserved)
     first = forced | pinned
     if reserved >= 0:
         first[reserved] = True
@@ -78,11 +78,12 @@ def choose(d: Decision) -> Plan:
     kind = np.where(first, np.maximum(current, 0), SKIP)
     chosen[rest] = choice.option >= 0
     kind[rest] = np.where(chosen[rest], np.asarray(kinds)[np.maximum(choice.option, 0)], SKIP)
-    if reserved >= 0 and capacity < 0:
+    if reserved >= n_run and capacity < 0:
         # Its pages are not free yet: it waits for them (a chunk started in the pages there are
         # would take the running requests' growth and preempt them), and nobody takes them first.
         chosen[reserved], kind[reserved] = False, SKIP
         reserved = -1
+    p.reserved = c.requests[reserved] if reserved >= 0 and p.keep_reservation else None
     density = p.weights.density(value, c.mem_kv)
     forced_idx = np.flatnonzero(forced)
     forced_idx = forced_idx[np.argsort(c.arrival[forced_idx], kind="stable")]

@@ -133,6 +133,7 @@ class AdaptiveScheduler(SchedulingPolicy):
         hidden_cost_steps: float = 8.0, evict_missed: bool = False, priority_preemption: bool = True,
         admission_share: float | None = 0.8, reserve_after: float | None = 0.5, write_off_late: bool = True,
         shed_late: bool = False, step_margin_quantile: float | None = None, evict_within_promise: bool = True,
+        write_off_fewest: bool = True, keep_reservation: bool = True,
     ) -> None:
         super().__init__(config)
         self.weights = ValueWeights(time_weight, memory_weight, slo_weight, priority_weight)
@@ -179,9 +180,15 @@ class AdaptiveScheduler(SchedulingPolicy):
         # ``reserve_after`` of its TTFT target, has its pages reserved (nobody is admitted into them
         # ahead of it) and starts first; one at a time. None: off.
         self.reserve_after = reserve_after
+        # ... and keeps it, once admitted, until its first token (False: passed on at admission, as before).
+        self.keep_reservation = bool(keep_reservation)
+        self.reserved = None  # the request that holds the reservation (``admission.reserved_row``)
         # Lost before they start (issue 44): a waiting request whose first token the step-time model
         # says cannot come in time, even in deadline order, is written off as one already late.
         self.write_off_late = bool(write_off_late)
+        # ... as few of each priority as can be (the longest go first: ``admission.fewest_late``);
+        # False: each one that does not fit after those kept, in turn (as before).
+        self.write_off_fewest = bool(write_off_fewest)
         # Where the deployment sheds (off by default): such a request that holds nothing yet is turned
         # away at once (503 + Retry-After through the server) instead of running late, behind the rest.
         self.shed_late = bool(shed_late)

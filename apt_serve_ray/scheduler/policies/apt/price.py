@@ -20,9 +20,10 @@ def write_off(d: Decision) -> None:
     """Mark the requests ``predicted_late`` finds as missed (the reserved one, if any, leads the order,
     as it leads the admissions); with ``shed_late``, turn away those of them that hold nothing."""
     p, c = d.policy, d.c
-    lead = reserved_row(c, np.zeros(c.num, dtype=bool), p.reserve_after)
+    lead = reserved_row(c, np.zeros(c.num, dtype=bool), p.reserve_after, p.reserved)
     late = predicted_late(c, p.step_model, seconds_scale=prefill_scale(d),
-                          chunk_tokens=d.ctx.config.max_num_batched_tokens, lead=lead)
+                          chunk_tokens=d.ctx.config.max_num_batched_tokens, lead=lead,
+                          fewest=p.write_off_fewest)
     c.missed[late] = True
     if p.shed_late:
         shed(d, late)
