@@ -42,6 +42,14 @@ class EngineConfig:
     # activations). None: the checkpoint's weights at ``dtype``. Less memory and a faster single stream,
     # slower batches and prefill.
     quantization: str | None = None
+    # LoRA adapters (PEFT folders on this machine; vLLM's names): ``lora_modules`` "name=path" each, loaded
+    # at start; a request names one as its ``model``. ``max_loras``: adapters held at once, each in a slot of
+    # ``max_lora_rank``, all of which may share a step (None: as many as ``lora_modules``, 0 with none: LoRA
+    # off). With LoRA on, the hidden cache kinds are off: they project stored x to K/V with the base weights,
+    # which would drop an adapter's k/v update.
+    lora_modules: tuple[str, ...] = ()
+    max_loras: int | None = None
+    max_lora_rank: int = 16
     # CPUs the async engine's loop thread (and the OpenMP workers it starts) runs on; None: any.
     cpu_affinity: tuple[int, ...] | None = None
     # AsyncLLMEngine (the server's engine): run the step loop in a process of its own, off the server's
@@ -121,6 +129,7 @@ class EngineConfig:
                              "not float32: set dtype=bfloat16")
         if self.quantization is not None and self.device == "cuda":
             raise ValueError("quantization: quantized weights are served on CPU only (no GPU kernel yet)")
+        self._check_lora()
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend: must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         _positive_int("block_size", self.block_size)
@@ -175,12 +184,45 @@ class EngineConfig:
         if self.policy_options is not None and not isinstance(self.policy_options, dict):
             raise ValueError(f"policy_options: must be a dict of keyword arguments, got {self.policy_options!r}")
 
+    def _check_lora(self) -> None:
+        modules = self.lora_modules
+        if isinstance(modules, str):
+            modules = tuple(m for m in modules.split(",") if m)
+        if not isinstance(modules, (tuple, list)) or not all(isinstance(m, str) for m in modules):
+            raise ValueError(f"lora_modules: must be a list of 'name=path', got {self.lora_modules!r}")
+        names = []
+        for m in modules:
+            name, sep, path = m.partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise ValueError(f"lora_modules: each must be 'name=path', got {m!r}")
+            names.append(name.strip())
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora_modules: adapter names must be unique, got {names}")
+        object.__setattr__(self, "lora_modules", tuple(modules))
+        if self.max_loras is None:
+            object.__setattr__(self, "max_loras", len(modules))
+        if isinstance(self.max_loras, bool) or not isinstance(self.max_loras, int) or self.max_loras < 0:
+            raise ValueError(f"max_loras: must be an integer >= 0, got {self.max_loras!r}")
+        if self.max_loras < len(modules):
+            raise ValueError(f"max_loras: {self.max_loras} slots cannot hold the {len(modules)} lora_modules")
+        _positive_int("max_lora_rank", self.max_lora_rank)
+        if self.max_loras and self.force_hidden:
+            raise ValueError("force_hidden: the hidden kinds are off with LoRA adapters (max_loras > 0)")
+
+    @property
+    def lora_enabled(self) -> bool:
+        return bool(self.max_loras)
+
+    def lora_module_paths(self) -> dict[str, str]:
+        """``lora_modules`` as {name: path}."""
+        return {n.strip(): p.strip() for n, _, p in (m.partition("=") for m in self.lora_modules)}
+
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
 
     def hidden_allowed(self, hidden_saves_memory: bool) -> bool:
         """Whether the engine may use hidden pages for a model whose layout has ``hidden_saves_memory``."""
-        return self.enable_hybrid_cache and (hidden_saves_memory or self.force_hidden)
+        return self.enable_hybrid_cache and not self.lora_enabled and (hidden_saves_memory or self.force_hidden)
 
     def compressed_kinds(self, layout) -> tuple:
         """The compressed kinds offered for a model with ``layout`` (a ``CacheLayout``), cheapest per

@@ -244,6 +244,6 @@ def build_app(args: AppArgs | dict) -> Application:
         poll_interval_s=min(0.25, args.control_interval_s),
         tracing_exporter=args.tracing_exporter, mirror_metrics=args.mirror_metrics, engine_cpus=engine_cpus,
         api_keys=resolve_keys(args.api_keys), max_request_body_bytes=args.max_request_body_bytes,
-        heavy_watermark_action=args.heavy_watermark_action)
+        heavy_watermark_action=args.heavy_watermark_action, lora_modules=config.lora_module_paths())
     return Router.options(num_replicas=args.num_routers, ray_actor_options={"num_cpus": args.num_cpus_per_router}
                           ).bind(engine, controller, router_options)

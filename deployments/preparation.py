@@ -67,10 +67,11 @@ class Prepared:
 class RequestPreparer:
     def __init__(self, served_model_name: str, tokenizer, *, sampling_defaults: dict,
                  default_ttft_slo_ms: float, output_horizon_tokens: int,
-                 service_classes: ServiceClasses | None = None) -> None:
+                 service_classes: ServiceClasses | None = None, adapters=()) -> None:
         """``sampling_defaults``: ``SamplingParams`` keyword arguments for fields a request leaves out;
         ``default_ttft_slo_ms``: the admission deadline of a request whose class sets no TTFT target."""
         self.served_model_name = served_model_name
+        self.adapters = tuple(adapters)  # LoRA adapter names a request's ``model`` may name
         self.tokenizer = tokenizer
         self.sampling_defaults = dict(sampling_defaults)
         self.default_ttft_slo_s = default_ttft_slo_ms / 1000.0
@@ -80,9 +81,11 @@ class RequestPreparer:
     def prepare(self, raw: bytes | dict, chat: bool, limits: ModelLimits, received: float,
                 service_class_header: str | None = None, session_header: str | None = None) -> Prepared:
         body = oai.parse_request(oai.ChatCompletionRequest if chat else oai.CompletionRequest, raw)
-        if body.model != self.served_model_name:
+        if body.model != self.served_model_name and body.model not in self.adapters:
+            also = f" and the LoRA adapters {', '.join(f'`{a}`' for a in self.adapters)}" if self.adapters else ""
             raise oai.APIError(f"model: the model `{body.model}` does not exist; this server serves "
-                               f"`{self.served_model_name}`", status=404, param="model", code="model_not_found")
+                               f"`{self.served_model_name}`{also}", status=404, param="model", code="model_not_found")
+        lora_name = None if body.model == self.served_model_name else body.model
         service_class = self.service_classes.choose(body.service_class, service_class_header)
         try:
             prompts = self.tokenize_all(body, chat)
@@ -107,7 +110,7 @@ class RequestPreparer:
                 rid = request_id if len(prompts) * body.n == 1 else f"{request_id}-{index}"
                 request = EngineRequest(prompt_ids, params, rid, service_class=service_class,
                                         session_id=session_header or body.user, cache_salt=body.cache_salt,
-                                        **scheduling)
+                                        lora_name=lora_name, **scheduling)
                 ttft_s = request.ttft_slo_ms / 1000.0 if request.ttft_slo_ms else self.default_ttft_slo_s
                 ticket = Ticket(request_pages(request, limits.tokens_per_page, self.horizon), ttft_s,
                                 request.priority or 0)

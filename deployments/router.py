@@ -95,6 +95,7 @@ class RouterOptions(BaseModel):
     # While the controller has closed admission: "hold" new requests in the admission line until it
     # reopens (503 once a request's TTFT target has passed), or "refuse" them at once with 503.
     heavy_watermark_action: Literal["hold", "refuse"]
+    lora_modules: dict[str, str]  # LoRA adapters every engine replica loads at start: {name: path}
 
     @property
     def name(self) -> str:
@@ -127,7 +128,8 @@ class Router:
         self.preparer = RequestPreparer(
             self.served_model_name, load_tokenizer(source, options.tokenizer), sampling_defaults=defaults,
             default_ttft_slo_ms=options.default_ttft_slo_ms, output_horizon_tokens=options.output_horizon_tokens,
-            service_classes=ServiceClasses(options.service_classes, options.default_service_class))
+            service_classes=ServiceClasses(options.service_classes, options.default_service_class),
+            adapters=options.lora_modules)
         self.admission = AdmissionQueue(options.max_in_flight, options.max_queued_requests,
                                         options.admission_weights, options.urgency_slack_s, options.max_wait_s,
                                         options.fairness_penalty)
@@ -157,7 +159,10 @@ class Router:
         limits = await self.model_limits()
         return {"object": "list", "data": [{
             "id": self.served_model_name, "object": "model", "created": self.created, "owned_by": "apt-serve-ray",
-            "root": self.options.model, "max_model_len": limits.max_model_len}]}
+            "root": self.options.model, "max_model_len": limits.max_model_len}] + [{
+            "id": name, "object": "model", "created": self.created, "owned_by": "apt-serve-ray", "root": path,
+            "parent": self.served_model_name, "max_model_len": limits.max_model_len}
+            for name, path in self.options.lora_modules.items()]}
 
     @api.get("/health")
     async def http_health(self):

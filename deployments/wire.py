@@ -48,6 +48,8 @@ class EngineRequest:
     session_id: str | None = None
     # vLLM's ``cache_salt``: only requests with the same salt share cached prefix pages.
     cache_salt: str | None = None
+    # The LoRA adapter it runs with (the body's ``model`` named one; None: the base model).
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.sampling, SamplingParams):
@@ -66,7 +68,7 @@ class EngineRequest:
         """Keyword arguments of ``AsyncLLMEngine.generate`` beyond prompt, sampling and id."""
         kwargs = {"priority": self.priority, "ttft_slo_ms": self.ttft_slo_ms, "tbt_slo_ms": self.tbt_slo_ms,
                   "trace_context": self.trace_context or None, "service_class": self.service_class,
-                  "cache_salt": self.cache_salt}
+                  "cache_salt": self.cache_salt, "lora_name": self.lora_name}
         return {k: v for k, v in kwargs.items() if v is not None}
 
 

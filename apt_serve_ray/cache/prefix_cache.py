@@ -48,11 +48,13 @@ class PrefixMatch:
 _SEEDS = {kind: hashlib.blake2b(f"apt-serve-ray/{kind.value}".encode(), digest_size=16).digest() for kind in CacheKind}
 
 
-def _seed(kind: CacheKind, salt: str | None) -> bytes:
-    """Where a request's chain starts: its kind's seed, salted by its ``cache_salt`` if it has one."""
-    if salt is None:
-        return _SEEDS[kind]
-    return hashlib.blake2b(_SEEDS[kind] + salt.encode(), digest_size=16).digest()
+def _seed(kind: CacheKind, salt: str | None, lora=None) -> bytes:
+    """Where a request's chain starts: its kind's seed, salted by its ``cache_salt`` if it has one, and by
+    its LoRA adapter's key if it has one (in a hash of its own, so that no salt reads as an adapter)."""
+    seed = _SEEDS[kind] if salt is None else hashlib.blake2b(_SEEDS[kind] + salt.encode(), digest_size=16).digest()
+    if lora is None:
+        return seed
+    return hashlib.blake2b(seed + lora.key.encode(), digest_size=16, person=b"apt-lora").digest()
 
 
 class PrefixStats:
@@ -87,7 +89,7 @@ class PrefixCache:
         chain = request.block_hashes.setdefault(kind, [])
         if len(chain) < num_blocks:
             tpp, tokens = self.layout.tokens_per_page(kind), request.all_token_ids
-            parent = chain[-1] if chain else _seed(kind, request.cache_salt)
+            parent = chain[-1] if chain else _seed(kind, request.cache_salt, request.lora)
             for i in range(len(chain), num_blocks):
                 parent = hashlib.blake2b(parent + array("q", tokens[i * tpp:(i + 1) * tpp]).tobytes(),
                                          digest_size=16).digest()

@@ -44,8 +44,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         priority: Sequence[int] | None = None,
+        lora_name: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in the order of the prompts."""
+        """Run every prompt to completion; outputs in the order of the prompts. ``lora_name``: the LoRA
+        adapter of every prompt, or one per prompt (None: the base model)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -57,10 +59,16 @@ class LLM:
             params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority: {len(priority)} given for {len(prompts)} prompts")
+        if lora_name is None or isinstance(lora_name, str):
+            loras = [lora_name] * len(prompts)
+        else:
+            loras = list(lora_name)
+            if len(loras) != len(prompts):
+                raise ValueError(f"lora_name: {len(loras)} given for {len(prompts)} prompts")
         engine = self.llm_engine
         # Validate everything before adding anything, so a bad prompt leaves the engine untouched.
         requests = [
-            engine.make_request(p, sp, priority=None if priority is None else priority[i])
+            engine.make_request(p, sp, priority=None if priority is None else priority[i], lora_name=loras[i])
             for i, (p, sp) in enumerate(zip(prompts, params))
         ]
         for request in requests:

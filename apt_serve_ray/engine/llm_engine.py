@@ -63,6 +63,8 @@ class LLMEngine:
             self.source = None
         self.tokenizer = tokenizer
         self.runner = runner
+        for name, path in config.lora_module_paths().items():
+            self.add_lora(name, path)
         self.layout = self.runner.layout
         self.max_model_len = self.runner.max_model_len
         kv_capacity = self.runner.num_pages * config.block_size
@@ -150,7 +152,7 @@ class LLMEngine:
         self, prompt: str | list[int], sampling_params: SamplingParams | None = None, request_id: str | None = None,
         *, arrival_time: float | None = None, ttft_slo_ms: float | None = None, tbt_slo_ms: float | None = None,
         priority: int | None = None, trace_context: dict[str, str] | None = None, service_class: str | None = None,
-        cache_salt: str | None = None,
+        cache_salt: str | None = None, lora_name: str | None = None,
     ) -> Request:
         """Validate and tokenise; raises ValueError naming the bad field. Does not touch engine state."""
         params = sampling_params if sampling_params is not None else SamplingParams()
@@ -185,7 +187,8 @@ class LLMEngine:
             raise ValueError(f"service_class: must be a string, got {service_class!r}")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt: must be a non-empty string, got {cache_salt!r}")
-        return Request(
+        lora = self._lora_ref(lora_name)
+        request = Request(
             request_id or uuid.uuid4().hex, ids, params, prompt=text,
             arrival_time=self.clock() if arrival_time is None else arrival_time,
             max_total_tokens=self.max_model_len,
@@ -194,6 +197,44 @@ class LLMEngine:
             priority=self.config.default_priority if priority is None else priority,
             trace_context=trace_context, service_class=service_class, cache_salt=cache_salt,
         )
+        request.lora = lora
+        return request
+
+    # LoRA adapters --------------------------------------------------------------------------------
+    def _lora_ref(self, name):
+        if name is None:
+            return None
+        lora = getattr(self.runner, "lora", None)
+        ref = lora.ref(name) if lora is not None else None
+        if ref is None:
+            raise ValueError(f"model: no LoRA adapter named {name!r} is loaded"
+                             + ("" if lora is not None else " (LoRA is off: max_loras is 0)"))
+        return ref
+
+    def _lora_manager(self):
+        lora = getattr(self.runner, "lora", None)
+        if lora is None:
+            raise ValueError("max_loras: LoRA is off (0 adapter slots); start the engine with max_loras > 0")
+        return lora
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Load the PEFT adapter in the folder ``path`` as ``name`` (requests then name it as their
+        ``model``); a ``ValueError`` naming the field when it cannot be."""
+        self._lora_manager().add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload ``name``: new requests can no longer name it; those running with it finish with it,
+        and its slot is freed when the last one ends."""
+        lora = self._lora_manager()
+        ref = lora.ref(name)
+        lora.remove(name)
+        if not any(r.lora == ref for r in self.requests.values()):
+            lora.release(ref)
+
+    def list_loras(self) -> dict[str, str]:
+        """The adapters loaded: {name: path}."""
+        lora = getattr(self.runner, "lora", None)
+        return dict(lora.paths) if lora is not None else {}
 
     def structured_outputs(self):
         """The engine's grammars and matchers (made when a request first asks for structured output:
@@ -350,15 +391,21 @@ class LLMEngine:
         output = self._output(request)
         self.requests.pop(request.request_id, None)
         self._detokenizers.pop(request.request_id, None)
+        ref = request.lora
+        if ref is not None and self.runner.lora.ref(ref.name) != ref \
+                and not any(r.lora == ref for r in self.requests.values()):
+            self.runner.lora.release(ref)  # unloaded while it ran: the last of its requests frees the slot
         return output
 
     def _output(self, request: Request) -> RequestOutput | None:
         return output_of(request, self._detokenizers.get(request.request_id))
 
-    def prompt_logits(self, token_ids: list[int], kind: CacheKind = CacheKind.KV) -> torch.Tensor:
+    def prompt_logits(self, token_ids: list[int], kind: CacheKind = CacheKind.KV,
+                      lora_name: str | None = None) -> torch.Tensor:
         """Logits at every position of ``token_ids`` ([n, vocab], float32), computed through the paged
-        cache of the given kind; the pages are returned afterwards. Runs between steps only."""
-        request = self.make_request(list(token_ids), SamplingParams(max_tokens=1))
+        cache of the given kind (with the LoRA adapter ``lora_name``); the pages are returned afterwards.
+        Runs between steps only."""
+        request = self.make_request(list(token_ids), SamplingParams(max_tokens=1), lora_name=lora_name)
         kind = CacheKind(kind)
         if kind.stores_hidden and not self.hidden_allowed:
             raise ValueError(f"kind: the {kind.value} cache kind is disabled for this model")

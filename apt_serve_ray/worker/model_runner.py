@@ -86,6 +86,13 @@ class ModelRunner:
         self.model: DecoderModel = cls(self.hf_config, state, self.device, self.dtype, self.max_model_len,
                                        quantization=config.quantization)
         del state
+        self.weight_bytes = tensor_bytes(self.model)  # before LoRA wraps the layers (their slots: lora.nbytes)
+        self.lora = None
+        if config.lora_enabled:
+            from apt_serve_ray.lora.manager import LoRAManager
+
+            self.lora = LoRAManager(self.model, self.hf_config, max_loras=config.max_loras,
+                                    max_rank=config.max_lora_rank, device=self.device, dtype=self.dtype)
         s = self.model.shape
         self.vocab_size = s.vocab_size
         self.layout = CacheLayout(
@@ -104,7 +111,7 @@ class ModelRunner:
             return self.config.num_pages
         budget = self.config.cache_budget_bytes
         if budget is None and self.config.memory_budget_bytes is not None:
-            weights = tensor_bytes(self.model)
+            weights = self.weight_bytes + (self.lora.nbytes if self.lora is not None else 0)
             budget = self.config.memory_budget_bytes - weights
             if budget < self.layout.bytes_per_page:
                 raise ValueError(f"memory_budget_bytes: {self.config.memory_budget_bytes} bytes leave no page "
@@ -148,7 +155,11 @@ class ModelRunner:
         if not out.chunks:
             return []
         input_ids, positions, meta, sample_rows, sample_requests = self._prepare(out.chunks)
-        hidden = self.model.forward(input_ids, positions, meta)
+        try:
+            hidden = self.model.forward(input_ids, positions, meta)
+        finally:
+            if self.lora is not None:
+                self.lora.clear()
         if not sample_rows:
             return []
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
@@ -158,7 +169,12 @@ class ModelRunner:
     def logits_for_all_rows(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Forward ``chunks`` and return the logits of every row (scoring and tests)."""
         input_ids, positions, meta, _, _ = self._prepare(chunks)
-        return self.model.compute_logits(self.model.forward(input_ids, positions, meta)).float()
+        try:
+            hidden = self.model.forward(input_ids, positions, meta)
+        finally:
+            if self.lora is not None:
+                self.lora.clear()
+        return self.model.compute_logits(hidden).float()
 
     def _prepare(self, chunks: list[ScheduledChunk]):
         """The flat token batch of ``chunks`` and its attention metadata. Plain Python lists per row
@@ -171,9 +187,12 @@ class ModelRunner:
         prefills: list[PrefillChunk] = []
         sample_rows: list[int] = []
         sample_requests: list[Request] = []
+        lora_slots: list[int] | None = [] if self.lora is not None else None
         row = 0
         for chunk in chunks:
             r, n = chunk.request, chunk.num_tokens
+            if lora_slots is not None:
+                lora_slots.extend([r.lora.slot if r.lora is not None else -1] * n)
             start, end = r.num_computed_tokens, r.num_computed_tokens + n
             ids.extend(r.all_token_ids[start:end])
             positions.extend(range(start, end))
@@ -206,6 +225,8 @@ class ModelRunner:
                 sample_requests.append(r)
             row += n
         meta = AttentionMetadata(storage=self.storage, num_tokens=row, backend=self.attention, prefills=prefills)
+        if lora_slots is not None:
+            self.lora.set_batch(lora_slots, self.device)
         for (prefix_kind, kind), entries in segmented.items():
             prefix = self._decode_group([(e[0], e[1], e[2]) for e in entries], prefix_kind)
             own = self._decode_group([(e[0], e[3], e[4]) for e in entries], kind)

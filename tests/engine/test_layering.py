@@ -77,7 +77,7 @@ LAYERS = [
     {"engine", "bench", "observability"},
     {"worker"},
     {"scheduler"},
-    {"models", "attention", "kernels", "sampling"},
+    {"models", "attention", "kernels", "sampling", "lora"},
     {"cache"},
     # shared by every layer: the settings, a request and what it carries (its cache kind, sampling
     # parameters, gap budget), the facts of this CPU

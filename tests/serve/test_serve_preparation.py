@@ -113,3 +113,15 @@ def test_an_unknown_or_ambiguous_class_is_a_400_naming_the_field_and_the_valid_n
 def test_service_classes_are_checked_once_naming_the_field(classes, default, field):
     with pytest.raises(ValueError, match=field):
         ServiceClasses(classes, default)
+
+
+def test_a_request_names_a_lora_adapter_as_its_model():
+    preparer = RequestPreparer("m", FakeTokenizer(), sampling_defaults={}, default_ttft_slo_ms=10_000.0,
+                               output_horizon_tokens=64, adapters=("sql", "chat"))
+    request = preparer.prepare({"model": "sql", "prompt": "hi"}, False, LIMITS, received=1.0).request
+    assert request.lora_name == "sql" and request.scheduling_kwargs()["lora_name"] == "sql"
+    base = preparer.prepare({"model": "m", "prompt": "hi"}, False, LIMITS, received=1.0).request
+    assert base.lora_name is None and "lora_name" not in base.scheduling_kwargs()
+    with pytest.raises(oai.APIError) as info:
+        preparer.prepare({"model": "other", "prompt": "hi"}, False, LIMITS, received=1.0)
+    assert info.value.status == 404 and "`sql`" in str(info.value.message)

@@ -1,0 +1,166 @@
+"""LoRA adapters served side by side over one base model, several in one step (issue 43, item 3).
+
+``LoRAManager`` holds ``max_loras`` slots per targetable layer (``targets.py``): A [slots, rank blocks,
+in] and Bt [slots, rank blocks, out], allocated once at start (their bytes come out of the memory
+budget like the weights'). Loading an adapter fills the lowest free slot; unloading empties it once no
+request uses it. Each targeted layer is wrapped in a ``LoRALinear``; a step's rows tell it their slots
+(``set_batch``, from the model runner), and it adds every row's own update in one pair of matrix
+products over the slots in use, masked per row (base-model rows get none):
+
+    y = base(x) + ((x A_[:m]^T) * mask) Bt_[:m]       (m: the highest slot in use + 1)
+
+On a CPU a decode step is bound by the bytes it reads, and this reads each adapter in the step once,
+whatever rows use it; the products' extra columns (rows times other adapters' ranks) are the price of
+not gathering per row (vLLM's punica kernels gather per row on GPUs).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from apt_serve_ray.lora.peft import load_adapter
+from apt_serve_ray.lora.targets import Targets, lora_targets
+
+
+@dataclass(frozen=True)
+class LoRARef:
+    """An adapter as a request holds it: its name, its slot, and a key unique to this load of it
+    (the prefix cache's hash chain starts from it, so no other adapter, nor a reload of this one
+    with other weights, shares its cached pages)."""
+
+    name: str
+    slot: int
+    key: str
+
+
+class LoRABatch:
+    """One step's rows' slots: ``m`` slots in use from 0, and ``mask`` [rows, m] (None: every row uses
+    slot 0)."""
+
+    __slots__ = ("m", "mask")
+
+    def __init__(self, m: int, mask: torch.Tensor | None) -> None:
+        self.m, self.mask = m, mask
+
+
+class LoRALinear:
+    """A linear layer (plain, packed or quantized) with the step's adapters' updates added."""
+
+    __slots__ = ("base", "a", "bt", "manager")
+
+    def __init__(self, base, a: torch.Tensor, bt: torch.Tensor, manager: LoRAManager) -> None:
+        self.base, self.a, self.bt, self.manager = base, a, bt, manager
+
+    def __getattr__(self, name):  # kept_rows, nbytes, weight...: the base layer's
+        if name in LoRALinear.__slots__:  # not set yet (a copy being made): no base to ask
+            raise AttributeError(name)
+        return getattr(self.base, name)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        batch = self.manager.batch
+        if batch is None:
+            return y
+        m = batch.m
+        xa = x @ self.a[:m].flatten(0, 1).T  # [rows, m * blocks]
+        if batch.mask is not None:
+            xa = (xa.view(x.shape[0], m, -1) * batch.mask[:, :, None]).flatten(1)
+        return y.addmm_(xa, self.bt[:m].flatten(0, 1))
+
+
+class LoRAManager:
+    def __init__(self, model, hf_config, *, max_loras: int, max_rank: int, device, dtype) -> None:
+        if max_loras < 1 or max_rank < 1:
+            raise ValueError(f"max_loras / max_lora_rank: must be >= 1, got {max_loras} / {max_rank}")
+        self.targets: Targets = lora_targets(hf_config)
+        self.max_loras, self.max_rank, self.dtype = max_loras, max_rank, dtype
+        self.slots: list[str | None] = [None] * max_loras  # adapter name per slot
+        self.refs: dict[str, LoRARef] = {}
+        self.paths: dict[str, str] = {}
+        self.batch: LoRABatch | None = None
+        self._loads = 0
+        self._lock = threading.Lock()
+        self.buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        for i, layer in enumerate(model.layers):
+            for g, group in enumerate(self.targets.groups):
+                rows = len(group.parts) * max_rank
+                a = torch.zeros(max_loras, rows, group.in_features, device=device, dtype=dtype)
+                bt = torch.zeros(max_loras, rows, group.out_features, device=device, dtype=dtype)
+                self.buffers[i, g] = (a, bt)
+                setattr(layer, group.attr, LoRALinear(getattr(layer, group.attr), a, bt, self))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes + bt.nbytes for a, bt in self.buffers.values())
+
+    def names(self) -> list[str]:
+        return list(self.refs)
+
+    def ref(self, name: str) -> LoRARef | None:
+        return self.refs.get(name)
+
+    def add(self, name: str, path: str) -> LoRARef:
+        """Load the PEFT adapter in ``path`` as ``name`` into a free slot (``ValueError`` naming the
+        field when it cannot be: a name taken, no slot free, an adapter this model cannot take)."""
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"lora_name: must be a non-empty string, got {name!r}")
+        with self._lock:
+            if name in self.refs:
+                raise ValueError(f"lora_name: an adapter named {name!r} is already loaded")
+            if None not in self.slots:
+                raise ValueError(f"max_loras: all {self.max_loras} adapter slots are in use; unload one first")
+        adapter = load_adapter(path, self.targets, max_rank=self.max_rank, dtype=self.dtype)
+        with self._lock:
+            if None not in self.slots or name in self.refs:
+                raise ValueError(f"lora_name: {name!r} could not take a slot (loaded concurrently)")
+            slot = self.slots.index(None)
+            for key, (a, bt) in self.buffers.items():
+                weights = adapter.weights.get(key)
+                if weights is None:
+                    a[slot].zero_()
+                    bt[slot].zero_()
+                else:
+                    a[slot].copy_(weights[0])
+                    bt[slot].copy_(weights[1])
+            self._loads += 1
+            ref = LoRARef(name, slot, f"{name}#{self._loads}")
+            self.slots[slot], self.refs[name], self.paths[name] = name, ref, path
+        return ref
+
+    def remove(self, name: str) -> None:
+        """Forget ``name``: new requests can no longer name it. Its slot is freed by ``release`` once
+        the requests that hold it have ended (the engine tracks them)."""
+        with self._lock:
+            if name not in self.refs:
+                raise ValueError(f"lora_name: no adapter named {name!r} is loaded")
+            del self.refs[name], self.paths[name]
+
+    def release(self, ref: LoRARef) -> None:
+        """Free ``ref``'s slot (no request holds it any more), zeroing it: a freed slot inside the
+        range a step multiplies over must add nothing (0 * NaN would)."""
+        with self._lock:
+            if self.slots[ref.slot] == ref.name and self.refs.get(ref.name) != ref:
+                self.slots[ref.slot] = None
+                for a, bt in self.buffers.values():
+                    a[ref.slot].zero_()
+                    bt[ref.slot].zero_()
+
+    def set_batch(self, row_slots: list[int], device) -> None:
+        """The step's rows' slots (-1: the base model), before the forward pass; ``clear`` after."""
+        used = max(row_slots, default=-1)
+        if used < 0:
+            self.batch = None
+            return
+        m = used + 1
+        if m == 1 and min(row_slots) == 0:
+            self.batch = LoRABatch(1, None)
+            return
+        slots = torch.tensor(row_slots, device=device)
+        mask = (slots[:, None] == torch.arange(m, device=device)[None, :]).to(self.dtype)
+        self.batch = LoRABatch(m, mask)
+
+    def clear(self) -> None:
+        self.batch = None

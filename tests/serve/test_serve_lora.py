@@ -1,0 +1,51 @@
+"""LoRA adapters through the server (issue 43, item 3): a request's ``model`` names an adapter, /v1/models
+lists each with its parent, and an adapter's output through HTTP is the engine's offline output."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from apt_serve_ray import LLM, SamplingParams
+from tests.serve.serve_helpers import assert_openai_error
+
+APP = "apt-lora-test"
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def lora_app(serve_url, opt_tiny, tmp_path_factory):
+    from ray import serve
+
+    from deployments.app import build_app
+    from tests.models.test_lora import _peft
+
+    root = tmp_path_factory.mktemp("adapters")
+    _peft(opt_tiny, str(root / "sql"), ["q_proj", "v_proj"], r=8, alpha=16, seed=1)
+    serve.run(build_app({
+        "model": opt_tiny, "served_model_name": "opt-tiny", "dtype": "float32", "num_replicas": 1, "num_pages": 64, "num_threads": 1,
+        "num_cpus_per_replica": 0.5, "lora_modules": [f"sql={root / 'sql'}"], "max_lora_rank": 8,
+    }), name=APP, route_prefix="/lora")
+    yield opt_tiny, str(root / "sql")
+    serve.delete(APP)
+
+
+def test_a_request_names_its_adapter_as_its_model(lora_app, serve_url):
+    base, adapter = lora_app
+    with httpx.Client(base_url=serve_url + "/lora", timeout=60) as client:
+        models = client.get("/v1/models").json()["data"]
+        assert [(m["id"], m.get("parent")) for m in models] == [("opt-tiny", None), ("sql", "opt-tiny")]
+        assert models[1]["root"] == adapter
+        body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        texts = {}
+        for model in ("opt-tiny", "sql"):
+            response = client.post("/v1/completions", json={"model": model, **body})
+            assert response.status_code == 200, response.text
+            assert response.json()["model"] == model
+            texts[model] = response.json()["choices"][0]["text"]
+        assert_openai_error(client.post("/v1/completions", json={"model": "nope", **body}), 404)
+    llm = LLM(base, dtype="float32", num_pages=64, lora_modules=(f"sql={adapter}",), max_lora_rank=8)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    offline = llm.generate([PROMPT, PROMPT], sp, lora_name=[None, "sql"])
+    assert texts == {"opt-tiny": offline[0].outputs[0].text, "sql": offline[1].outputs[0].text}
+    assert texts["opt-tiny"] != texts["sql"]
