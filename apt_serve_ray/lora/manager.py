@@ -49,10 +49,11 @@ class LoRABatch:
 class LoRALinear:
     """A linear layer (plain, packed or quantized) with the step's adapters' updates added."""
 
-    __slots__ = ("base", "a", "bt", "manager")
+    __slots__ = ("base", "a", "bt", "manager", "used")
 
     def __init__(self, base, a: torch.Tensor, bt: torch.Tensor, manager: LoRAManager) -> None:
         self.base, self.a, self.bt, self.manager = base, a, bt, manager
+        self.used = False  # whether any adapter loaded targets this layer (else: the base layer's cost only)
 
     def __getattr__(self, name):  # kept_rows, nbytes, weight...: the base layer's
         if name in LoRALinear.__slots__:  # not set yet (a copy being made): no base to ask
@@ -62,7 +63,7 @@ class LoRALinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         batch = self.manager.batch
-        if batch is None:
+        if batch is None or not self.used:
             return y
         m = batch.m
         xa = x @ self.a[:m].flatten(0, 1).T  # [rows, m * blocks]
@@ -84,13 +85,16 @@ class LoRAManager:
         self._loads = 0
         self._lock = threading.Lock()
         self.buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.layers: dict[tuple[int, int], LoRALinear] = {}
+        self.targeted: dict[str, set[tuple[int, int]]] = {}  # adapter name -> the (layer, group)s it has
         for i, layer in enumerate(model.layers):
             for g, group in enumerate(self.targets.groups):
                 rows = len(group.parts) * max_rank
                 a = torch.zeros(max_loras, rows, group.in_features, device=device, dtype=dtype)
                 bt = torch.zeros(max_loras, rows, group.out_features, device=device, dtype=dtype)
                 self.buffers[i, g] = (a, bt)
-                setattr(layer, group.attr, LoRALinear(getattr(layer, group.attr), a, bt, self))
+                self.layers[i, g] = LoRALinear(getattr(layer, group.attr), a, bt, self)
+                setattr(layer, group.attr, self.layers[i, g])
 
     @property
     def nbytes(self) -> int:
@@ -128,7 +132,16 @@ class LoRAManager:
             self._loads += 1
             ref = LoRARef(name, slot, f"{name}#{self._loads}")
             self.slots[slot], self.refs[name], self.paths[name] = name, ref, path
+            self.targeted[ref.key] = set(adapter.weights)
+            self._mark_used()
         return ref
+
+    def _mark_used(self) -> None:
+        """Layers no adapter held targets skip the update (PEFT's default, q and v only, leaves the
+        MLP and the output projection alone)."""
+        used = set().union(*self.targeted.values()) if self.targeted else set()
+        for key, layer in self.layers.items():
+            layer.used = key in used
 
     def remove(self, name: str) -> None:
         """Forget ``name``: new requests can no longer name it. Its slot is freed by ``release`` once
@@ -147,6 +160,8 @@ class LoRAManager:
                 for a, bt in self.buffers.values():
                     a[ref.slot].zero_()
                     bt[ref.slot].zero_()
+                self.targeted.pop(ref.key, None)
+                self._mark_used()
 
     def set_batch(self, row_slots: list[int], device) -> None:
         """The step's rows' slots (-1: the base model), before the forward pass; ``clear`` after."""
