@@ -89,8 +89,6 @@ OURS_VARIANTS = {
     # requests predicted late written off in turn, each that does not fit, not the fewest (the longest first)
     "ours-inturn": dict(policy_options={"write_off_fewest": False}),
     # as before issue 44's fifth pass: written off in turn, the reservation passed on at admission
-    # growth's victims of one priority by value alone, decoding or not (before issue 44's sixth pass)
-    "ours-evictdecoding": dict(policy_options={"evict_prefilling_first": False}),
     "ours-prev": dict(policy_options={"write_off_fewest": False, "keep_reservation": False}),
 }
 # vLLM with its defaults (FCFS, prefix caching on), with priorities (told each request's), without

@@ -133,7 +133,7 @@ class AdaptiveScheduler(SchedulingPolicy):
         hidden_cost_steps: float = 8.0, evict_missed: bool = False, priority_preemption: bool = True,
         admission_share: float | None = 0.8, reserve_after: float | None = 0.5, write_off_late: bool = True,
         shed_late: bool = False, step_margin_quantile: float | None = None, evict_within_promise: bool = True,
-        write_off_fewest: bool = True, keep_reservation: bool = True, evict_prefilling_first: bool = True,
+        write_off_fewest: bool = True, keep_reservation: bool = True,
     ) -> None:
         super().__init__(config)
         self.weights = ValueWeights(time_weight, memory_weight, slo_weight, priority_weight)
@@ -182,8 +182,6 @@ class AdaptiveScheduler(SchedulingPolicy):
         self.reserve_after = reserve_after
         # ... and keeps it, once admitted, until its first token (False: passed on at admission, as before).
         self.keep_reservation = bool(keep_reservation)
-        # When running requests' growth evicts: of one priority, those in prefill before those decoding.
-        self.evict_prefilling_first = bool(evict_prefilling_first)
         self.reserved = None  # the request that holds the reservation (``admission.reserved_row``)
         # Lost before they start (issue 44): a waiting request whose first token the step-time model
         # says cannot come in time, even in deadline order, is written off as one already late.

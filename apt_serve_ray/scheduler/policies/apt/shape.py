@@ -34,15 +34,9 @@ def shape(d: Decision) -> None:
     # rest; lowest density first; never the protected. (Missed-first alone made an important request
     # that missed one gap the next victim of an unimportant one's growth, and preempted it again and
     # again: 5-18 preemptions per interactive request in a 30% / 70% mix at 1.5x capacity.)
-    # Within a priority, those still in prefill go before those decoding (``evict_prefilling_first``):
-    # a decoding request evicted for seconds has lost its gap (P99 over ~100 gaps is about the longest),
-    # one in prefill only spends some of its TTFT slack (issue 44: documents evicted while decoding broke
-    # their 1-s gap, 3-4 a seed through Serve, where vLLM's broke none).
     running = np.flatnonzero(~plan.forced[:n_run])
     prio = c.priority[running] if c.priority is not None else np.zeros(running.size)
-    decoding = (~c.awaiting_first[running] if p.evict_prefilling_first and c.awaiting_first is not None
-                else np.zeros(running.size, dtype=bool))
-    victims = running[np.lexsort((plan.density[running], decoding, ~c.missed[running], -prio,
+    victims = running[np.lexsort((plan.density[running], ~c.missed[running], -prio,
                                   plan.chosen[running]))].tolist()
     unchosen = np.flatnonzero(~plan.chosen[:n_run])
     evictable = set(unchosen.tolist())
