@@ -423,6 +423,18 @@ def test_writing_off_the_longest_first_loses_the_fewest_of_a_priority():
         assert late.sum() <= in_turn_late(own, slack, np.zeros(n), 0, lead=False).sum()
         kept = np.flatnonzero(~late)
         assert np.all(np.cumsum(own[kept]) <= slack[kept] + 1e-12)
+    # The rows before the first one over its deadline are taken in bulk: the same answer as one by one,
+    # with priorities and a lead too.
+    for _ in range(300):
+        n = int(rng.integers(1, 10))
+        prio = np.sort(rng.integers(0, 3, n)).astype(float)
+        own, slack = rng.uniform(0.2, 3.0, n), rng.uniform(0.5, 12.0, n)
+        slack = np.concatenate([np.sort(slack[prio == p]) for p in np.unique(prio)])
+        for lead in (False, True):
+            over = np.flatnonzero(np.cumsum(own) > slack)
+            first = int(over[0]) if over.size else n
+            assert fewest_late(own, slack, prio, first, lead=lead).tolist() == \
+                fewest_late(own, slack, prio, 0, lead=lead).tolist()
 
 
 def test_the_more_important_are_never_written_off_for_the_less():

@@ -125,18 +125,31 @@ def fewest_late(own: np.ndarray, slack: np.ndarray, prio: np.ndarray, first: int
 
     Written off in turn instead, a burst of documents keeps a long one that happens to come first
     and loses the shorter ones behind it, which together would have fitted in its time."""
-    late = np.zeros(own.size, dtype=bool)
-    kept_s = fixed_s = 0.0  # fixed_s: the kept rows of more important priorities, and the lead
-    group: list[tuple[float, int]] = []  # (-seconds, -row): the kept rows of the current priority
+    late = [False] * own.size
     lead_t = float(own[0]) if lead and own.size else 0.0
-    lead_kept = False
-    current = None
-    for i, (t, s) in enumerate(zip(own.tolist(), slack.tolist())):
-        if prio[i] != current:
-            current, fixed_s, group = prio[i], kept_s, []
-        tradable = lead_kept and prio[i] == prio[0] and s >= slack[0]
+    # The rows before ``first`` all fit: kept, in bulk. fixed_s: the kept rows of more important
+    # priorities, and the lead; group: (-seconds, -row) of the kept rows of the current priority.
+    kept_s = fixed_s = 0.0
+    group: list[tuple[float, int]] = []
+    current, lead_kept = None, False
+    if first > 0:
+        current = float(prio[first - 1])
+        others = np.flatnonzero(prio[:first] != current)
+        start = max(int(others[-1]) + 1 if others.size else 0, 1 if lead else 0)
+        kept_s, fixed_s = float(own[:first].sum()), float(own[:start].sum())
+        group = list(zip((-own[start:first]).tolist(), range(-start, -first, -1)))
+        heapq.heapify(group)
+        lead_kept = lead
+    prios, lead_prio, lead_slack = prio.tolist(), float(prio[0]), float(slack[0])
+    for i, (t, s) in enumerate(zip(own[first:].tolist(), slack[first:].tolist()), first):
+        if prios[i] != current:
+            current, fixed_s, group = prios[i], kept_s, []
+        tradable = lead_kept and prios[i] == lead_prio and s >= lead_slack
         if fixed_s - (lead_t if tradable else 0.0) + t > s:
             late[i] = True
+            continue
+        if kept_s + t > s and (not group or -group[0][0] <= t) and not (tradable and lead_t > t):
+            late[i] = True  # the longest it could go for is itself: late without a push and a pop
             continue
         kept_s += t
         if i == 0 and lead:
@@ -153,7 +166,7 @@ def fewest_late(own: np.ndarray, slack: np.ndarray, prio: np.ndarray, first: int
             neg, j = heapq.heappop(group)
             late[-j] = True
             kept_s += neg
-    return late
+    return np.array(late, dtype=bool)
 
 
 def reserved_row(c: Candidates, forced: np.ndarray, reserve_after: float | None, keep=None) -> int:
