@@ -198,16 +198,38 @@ class AsyncLLMEngine:
         return [] if self.process is None else self._query("finished_spans", timeout_s)
 
     def _query(self, name: str, timeout_s: float):
+        return self._ask(timeout_s, name, "query", name)
+
+    def _ask(self, timeout_s: float, what: str, op: str, *args):
+        """Send ``(op, token, *args)`` to the core (in this process or the engine's) and wait for its reply."""
         token, done = next(self._tokens), threading.Event()
         box: list = []
         self._replies[token] = (done, box)
         try:
-            self.process.send("query", token, name)
+            self._send(op, token, *args)
             if not done.wait(timeout_s):
-                raise TimeoutError(f"engine process did not answer the {name} query")
+                self.check_health()
+                raise TimeoutError(f"the engine did not answer {what} within {timeout_s} s")
             return box[0]
         finally:
             self._replies.pop(token, None)
+
+    # LoRA adapters (run between steps, on the engine's loop) ----------------------------------------
+    async def add_lora(self, name: str, path: str, timeout_s: float = 120.0) -> dict[str, str]:
+        """Load the PEFT adapter in the folder ``path`` as ``name``; the adapters loaded after it
+        ({name: path}). A ``ValueError`` naming the field when it cannot be (``LLMEngine.add_lora``)."""
+        return await self._lora("add", name, path, timeout_s)
+
+    async def remove_lora(self, name: str, timeout_s: float = 60.0) -> dict[str, str]:
+        """Unload ``name`` (requests running with it finish with it); the adapters left."""
+        return await self._lora("remove", name, None, timeout_s)
+
+    async def _lora(self, action: str, name: str, path, timeout_s: float) -> dict[str, str]:
+        self.check_health()
+        status, value = await asyncio.to_thread(self._ask, timeout_s, f"lora {action}", "lora", action, name, path)
+        if status == "error":
+            raise ValueError(value)
+        return value
 
     def cache_stats(self) -> CacheStats:
         """The latest snapshot of the engine's cache and queues (after its last step or command)."""

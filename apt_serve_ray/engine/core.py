@@ -119,6 +119,17 @@ class EngineCore:
             else:
                 value = None
             self.send(("reply", token, value))
+        elif op == "lora":  # load or unload an adapter between steps; the reply: ("ok", adapters) or ("error", why)
+            _, token, action, name, path = msg
+            try:
+                if action == "add":
+                    engine.add_lora(name, path)
+                elif action == "remove":
+                    engine.remove_lora(name)
+                value = ("ok", engine.list_loras())
+            except ValueError as exc:
+                value = ("error", str(exc))
+            self.send(("reply", token, value))
         elif op == "stop":
             return True
         return False

@@ -96,3 +96,32 @@ def test_a_dead_engine_process_ends_every_stream_with_an_error(opt_tiny):
 def test_engine_process_start_up_errors_name_the_field():
     with pytest.raises(ValueError, match="model"):
         AsyncLLMEngine(EngineConfig(model="no-such-model-anywhere", engine_process=True))
+
+
+@pytest.mark.parametrize("in_process", [False, True])
+def test_adapters_load_and_unload_at_run_time_between_steps(opt_tiny, tmp_path, in_process):
+    """``AsyncLLMEngine.add_lora`` / ``remove_lora`` run on the engine's loop, in its process or this one;
+    a request then names the adapter, and gets what the offline engine gives with it."""
+    from apt_serve_ray import LLM
+    from tests.models.test_lora import _peft
+
+    _peft(opt_tiny, str(tmp_path / "a"), ["q_proj", "v_proj"], r=8, alpha=16, seed=1)
+    engine = AsyncLLMEngine(_config(opt_tiny, engine_process=not in_process, max_loras=1, max_lora_rank=8))
+    engine.start()
+    try:
+        async def run():
+            assert await engine.add_lora("a", str(tmp_path / "a")) == {"a": str(tmp_path / "a")}
+            with pytest.raises(ValueError, match="max_loras"):
+                await engine.add_lora("b", str(tmp_path / "a"))
+            outs = [o async for o in engine.generate(PROMPTS[0], PARAMS, lora_name="a")]
+            assert await engine.remove_lora("a") == {}
+            with pytest.raises(ValueError, match="no LoRA adapter named 'a'"):
+                [o async for o in engine.generate(PROMPTS[0], PARAMS, lora_name="a")]
+            return [t for o in outs for t in o.outputs[0].delta_token_ids]
+
+        got = asyncio.run(asyncio.wait_for(run(), timeout=120))
+    finally:
+        engine.shutdown()
+    offline = LLM(opt_tiny, dtype="float32", num_pages=64, calibrate_rho=False, max_loras=1, max_lora_rank=8,
+                  lora_modules=(f"a={tmp_path / 'a'}",))
+    assert got == offline.generate([PROMPTS[0]], PARAMS, lora_name="a")[0].outputs[0].token_ids
