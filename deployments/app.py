@@ -99,6 +99,10 @@ class _AppArgs(BaseModel):
     # passed), or "refuse" them at once with 503 + Retry-After. "hold" by default: refusing at once cost
     # more attainment than the preemptions it spared on the on/off runs (docs/benchmarks.md, issue 14).
     heavy_watermark_action: Literal["hold", "refuse"] = "hold"
+    # vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (a PEFT folder on this machine, by path); off by
+    # default, as in vLLM. Replicas load such an adapter on their first request for it (``max_loras`` slots, the
+    # least recently used run-time adapter making room).
+    allow_runtime_lora_updating: bool = False
     # With predictive_control the controller forecasts arrivals (apt_serve_ray/scheduler/predictor.py) from what the
     # routers receive and acts forecast_horizon_s ahead: ratios rise, and the routers let only
     # predictive_admission_share of their in-flight slots through, before a forecast peak crosses the
@@ -244,6 +248,7 @@ def build_app(args: AppArgs | dict) -> Application:
         poll_interval_s=min(0.25, args.control_interval_s),
         tracing_exporter=args.tracing_exporter, mirror_metrics=args.mirror_metrics, engine_cpus=engine_cpus,
         api_keys=resolve_keys(args.api_keys), max_request_body_bytes=args.max_request_body_bytes,
-        heavy_watermark_action=args.heavy_watermark_action, lora_modules=config.lora_module_paths())
+        heavy_watermark_action=args.heavy_watermark_action, lora_modules=config.lora_module_paths(),
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating)
     return Router.options(num_replicas=args.num_routers, ray_actor_options={"num_cpus": args.num_cpus_per_router}
                           ).bind(engine, controller, router_options)

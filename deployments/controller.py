@@ -14,6 +14,7 @@ receiving the cluster's ratio at once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -65,6 +66,7 @@ class Controller:
             predictive=prediction is not None, **(prediction or {})))
         self.interval_s, self.retry_after_s = interval_s, options.retry_after_s
         self.decisions: deque[ControllerDecision] = deque(maxlen=200)
+        self.adapters: dict[str, str] = {}  # LoRA adapters loaded at run time: {name: path}
         self._backend = make_backend({"model": options.model}, options.mirror_metrics)
         self.metrics = ControllerMetrics(self._backend)
         self._loop = asyncio.create_task(self._control_loop())
@@ -77,13 +79,27 @@ class Controller:
     async def report(self, load: LoadReport) -> Knobs:
         if load.replica_id not in self.control.replicas:
             logger.info("controller: engine replica %s joined (%d pages)", load.replica_id, load.num_pages)
-        return self.control.report(load, time.monotonic())
+        return dataclasses.replace(self.control.report(load, time.monotonic()), adapters=dict(self.adapters))
+
+    async def set_adapter(self, name: str, path: str) -> None:
+        """A LoRA adapter loaded at run time (``/v1/load_lora_adapter``): every router lets requests name it,
+        every replica loads it on its first request for it."""
+        self.adapters[name] = path
+        logger.info("controller: LoRA adapter %s loaded from %s", name, path)
+
+    async def remove_adapter(self, name: str) -> bool:
+        """Forget a LoRA adapter loaded at run time; replicas unload it at their next heartbeat."""
+        removed = self.adapters.pop(name, None) is not None
+        if removed:
+            logger.info("controller: LoRA adapter %s unloaded", name)
+        return removed
 
     async def get_state(self, arrivals: ArrivalCount | None = None) -> ControllerState:
         if arrivals is not None:
             self.control.observe_arrivals(arrivals, time.monotonic())
         return ControllerState(retry_after_s=self.retry_after_s, replicas=dict(self.control.replicas),
-                               decisions=tuple(self.decisions), **self.control.state_fields())
+                               decisions=tuple(self.decisions), adapters=dict(self.adapters),
+                               **self.control.state_fields())
 
     def metrics_snapshot(self) -> dict:
         """The metric values kept in memory (``mirror_metrics``; {} otherwise), for tests."""

@@ -138,6 +138,8 @@ class EngineReplica:
         self._applied_ratio: float | None = None
         self._is_pressured = False  # the controller's last word, passed on to the request router
         self._controller = controller
+        self._runtime_loras: collections.OrderedDict[str, str] = collections.OrderedDict()  # least recent first
+        self._lora_lock = asyncio.Lock()
         self._report_interval_s = options.report_interval_s
         self._reporter = asyncio.create_task(self._report_loop()) if controller is not None else None
         logger.info("engine replica %s ready: model %s, %d pages", self.replica_id, self.model,
@@ -150,6 +152,11 @@ class EngineReplica:
         if not isinstance(request, EngineRequest):
             yield InvalidRequest(f"request: must be a deployments.wire.EngineRequest, got {type(request).__name__}")
             return
+        if request.lora_name is not None and request.lora_path is not None:
+            error = await self._hold_lora(request.lora_name, request.lora_path)
+            if error is not None:
+                yield InvalidRequest(error)
+                return
         stream = self.engine.generate(request.prompt, request.sampling, request.request_id,
                                       **request.scheduling_kwargs())
         self.num_requests += 1
@@ -281,6 +288,37 @@ class EngineReplica:
         """Spans of this replica (and of its engine process) under the "memory" tracing exporter, for tests."""
         return finished_spans() + self.engine.engine_process_spans()
 
+    # LoRA adapters loaded at run time ----------------------------------------------------------------
+    async def _hold_lora(self, name: str, path: str) -> str | None:
+        """Load the run-time adapter ``name`` here if this replica does not hold it yet (least recently
+        used ones make room); None, or why it cannot be."""
+        async with self._lora_lock:
+            if name in self._runtime_loras:
+                self._runtime_loras.move_to_end(name)
+                return None
+            while True:
+                try:
+                    await self.engine.add_lora(name, path)
+                    self._runtime_loras[name] = path
+                    return None
+                except ValueError as exc:
+                    if "already loaded" in str(exc):  # loaded at start (lora_modules)
+                        return None
+                    if "max_loras" not in str(exc) or not self._runtime_loras:
+                        return str(exc)
+                    oldest, _ = self._runtime_loras.popitem(last=False)
+                    await self.engine.remove_lora(oldest)
+
+    async def _drop_loras(self, keep: dict[str, str]) -> None:
+        """Unload the run-time adapters the controller no longer lists (or lists at another path)."""
+        async with self._lora_lock:
+            for name in [n for n, p in self._runtime_loras.items() if keep.get(n) != p]:
+                del self._runtime_loras[name]
+                try:
+                    await self.engine.remove_lora(name)
+                except ValueError as exc:
+                    logger.warning("engine replica %s: unloading LoRA adapter %s: %s", self.replica_id, name, exc)
+
     # Heartbeat to the controller ------------------------------------------------------------------
     async def _report_loop(self) -> None:
         while True:
@@ -290,6 +328,8 @@ class EngineReplica:
                 if knobs.cache_ratio != self._applied_ratio:
                     self.set_cache_ratio(knobs.cache_ratio)
                 self._is_pressured = knobs.is_pressured
+                if knobs.adapters is not None and self._runtime_loras:
+                    await self._drop_loras(knobs.adapters)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the controller may be restarting; keep serving

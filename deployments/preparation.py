@@ -71,7 +71,9 @@ class RequestPreparer:
         """``sampling_defaults``: ``SamplingParams`` keyword arguments for fields a request leaves out;
         ``default_ttft_slo_ms``: the admission deadline of a request whose class sets no TTFT target."""
         self.served_model_name = served_model_name
-        self.adapters = tuple(adapters)  # LoRA adapter names a request's ``model`` may name
+        # LoRA adapters a request's ``model`` may name: {name: path to load it from where a replica does not
+        # hold it (those loaded at run time), or None (loaded by every replica at start)}
+        self.adapters = dict(adapters) if isinstance(adapters, dict) else dict.fromkeys(adapters)
         self.tokenizer = tokenizer
         self.sampling_defaults = dict(sampling_defaults)
         self.default_ttft_slo_s = default_ttft_slo_ms / 1000.0
@@ -86,6 +88,7 @@ class RequestPreparer:
             raise oai.APIError(f"model: the model `{body.model}` does not exist; this server serves "
                                f"`{self.served_model_name}`{also}", status=404, param="model", code="model_not_found")
         lora_name = None if body.model == self.served_model_name else body.model
+        lora_path = self.adapters.get(lora_name) if lora_name is not None else None
         service_class = self.service_classes.choose(body.service_class, service_class_header)
         try:
             prompts = self.tokenize_all(body, chat)
@@ -110,7 +113,7 @@ class RequestPreparer:
                 rid = request_id if len(prompts) * body.n == 1 else f"{request_id}-{index}"
                 request = EngineRequest(prompt_ids, params, rid, service_class=service_class,
                                         session_id=session_header or body.user, cache_salt=body.cache_salt,
-                                        lora_name=lora_name, **scheduling)
+                                        lora_name=lora_name, lora_path=lora_path, **scheduling)
                 ttft_s = request.ttft_slo_ms / 1000.0 if request.ttft_slo_ms else self.default_ttft_slo_s
                 ticket = Ticket(request_pages(request, limits.tokens_per_page, self.horizon), ttft_s,
                                 request.priority or 0)

@@ -28,13 +28,14 @@ joins the same trace. ``GET /v1/debug/memory_timeline`` draws a replica's cache-
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import math
 import time
 from typing import Literal, Optional
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from opentelemetry import trace
 from opentelemetry.propagate import inject
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, SecretStr
@@ -96,6 +97,9 @@ class RouterOptions(BaseModel):
     # reopens (503 once a request's TTFT target has passed), or "refuse" them at once with 503.
     heavy_watermark_action: Literal["hold", "refuse"]
     lora_modules: dict[str, str]  # LoRA adapters every engine replica loads at start: {name: path}
+    # vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (off: 404, as vLLM without
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING): they load a PEFT folder on this machine's path by name.
+    allow_runtime_lora_updating: bool
 
     @property
     def name(self) -> str:
@@ -129,7 +133,8 @@ class Router:
             self.served_model_name, load_tokenizer(source, options.tokenizer), sampling_defaults=defaults,
             default_ttft_slo_ms=options.default_ttft_slo_ms, output_horizon_tokens=options.output_horizon_tokens,
             service_classes=ServiceClasses(options.service_classes, options.default_service_class),
-            adapters=options.lora_modules)
+            adapters=dict.fromkeys(options.lora_modules))
+        self._runtime_adapters: dict[str, str] = {}  # LoRA adapters loaded at run time (the controller's list)
         self.admission = AdmissionQueue(options.max_in_flight, options.max_queued_requests,
                                         options.admission_weights, options.urgency_slack_s, options.max_wait_s,
                                         options.fairness_penalty)
@@ -162,7 +167,71 @@ class Router:
             "root": self.options.model, "max_model_len": limits.max_model_len}] + [{
             "id": name, "object": "model", "created": self.created, "owned_by": "apt-serve-ray", "root": path,
             "parent": self.served_model_name, "max_model_len": limits.max_model_len}
-            for name, path in self.options.lora_modules.items()]}
+            for name, path in self._adapter_paths().items()]}
+
+    def _adapter_paths(self) -> dict[str, str]:
+        """Every LoRA adapter a request may name: {name: its folder}."""
+        return {**self.options.lora_modules, **self._runtime_adapters}
+
+    def _sync_adapters(self, runtime: dict[str, str]) -> None:
+        """The adapters loaded at run time, as the controller lists them (or as this router just changed them)."""
+        self._runtime_adapters = dict(runtime)
+        self.preparer.adapters = {**dict.fromkeys(self.options.lora_modules), **runtime}
+
+    @api.post("/v1/load_lora_adapter")
+    async def http_load_lora_adapter(self, request: Request):
+        """vLLM's: ``{"lora_name", "lora_path"}``; every replica loads it on its first request for it."""
+        try:
+            return await self._load_lora_adapter(request)
+        except oai.APIError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
+
+    @api.post("/v1/unload_lora_adapter")
+    async def http_unload_lora_adapter(self, request: Request):
+        """vLLM's: ``{"lora_name"}``; adapters loaded at start (``lora_modules``) stay."""
+        try:
+            return await self._unload_lora_adapter(request)
+        except oai.APIError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
+
+    async def _load_lora_adapter(self, request: Request):
+        body = await self._lora_body(request, ("lora_name", "lora_path"))
+        name, path = body["lora_name"], body["lora_path"]
+        if name == self.served_model_name or name in self._adapter_paths():
+            raise oai.APIError(f"lora_name: the adapter `{name}` has already been loaded", param="lora_name")
+        from apt_serve_ray.lora.peft import check_folder
+
+        try:
+            check_folder(path)
+        except ValueError as exc:
+            raise oai.from_value_error(exc) from None
+        await self.controller.set_adapter.remote(name, path)
+        self._sync_adapters({**self._runtime_adapters, name: path})
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def _unload_lora_adapter(self, request: Request):
+        name = (await self._lora_body(request, ("lora_name",)))["lora_name"]
+        if name in self.options.lora_modules:
+            raise oai.APIError(f"lora_name: `{name}` was loaded at start (lora_modules) and stays", param="lora_name")
+        if not await self.controller.remove_adapter.remote(name):
+            raise oai.APIError(f"lora_name: no adapter `{name}` is loaded", status=404, param="lora_name",
+                               code="model_not_found")
+        self._sync_adapters({n: p for n, p in self._runtime_adapters.items() if n != name})
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+    async def _lora_body(self, request: Request, fields: tuple[str, ...]) -> dict:
+        if not self.options.allow_runtime_lora_updating:
+            raise oai.APIError("loading LoRA adapters at run time is off (allow_runtime_lora_updating)", status=404)
+        try:
+            body = json.loads(await read_body(request, self.options.max_request_body_bytes))
+        except ValueError:
+            raise oai.APIError("body: must be a JSON object") from None
+        if not isinstance(body, dict):
+            raise oai.APIError("body: must be a JSON object")
+        for field in fields:
+            if not isinstance(body.get(field), str) or not body[field].strip():
+                raise oai.APIError(f"{field}: must be a non-empty string", param=field)
+        return body
 
     @api.get("/health")
     async def http_health(self):
@@ -293,6 +362,8 @@ class Router:
                 limit = max(1, round(self.options.max_in_flight * state.admission_limit))
                 if limit != self.admission.max_in_flight:
                     self.admission.resize(limit)
+            if state is not None:
+                self._sync_adapters(state.adapters)
             held = self.holds_when_closed and not self.link.is_admission_open()  # a silent controller: not held
             pass_below = self._least_important_running()
             if (held, pass_below) != (self.admission.held, self.admission.pass_below):

@@ -48,8 +48,10 @@ class EngineRequest:
     session_id: str | None = None
     # vLLM's ``cache_salt``: only requests with the same salt share cached prefix pages.
     cache_salt: str | None = None
-    # The LoRA adapter it runs with (the body's ``model`` named one; None: the base model).
+    # The LoRA adapter it runs with (the body's ``model`` named one; None: the base model), and where it is:
+    # a replica that does not hold an adapter loaded at run time loads it from there first.
     lora_name: str | None = None
+    lora_path: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.sampling, SamplingParams):
@@ -185,6 +187,8 @@ class Knobs:
 
     cache_ratio: float
     is_pressured: bool = False  # reported back in the replica's LoadReport, for the request router
+    # The LoRA adapters loaded at run time ({name: path}): a replica unloads those it holds that are gone.
+    adapters: dict[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -230,3 +234,4 @@ class ControllerState:
     forecast: Forecast | None = None  # with predictive_control: the last forecast
     forecast_usage: float | None = None
     admission_limit: float = 1.0  # share of each router's in-flight slots to let through
+    adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapters loaded at run time: {name: path}

@@ -58,6 +58,14 @@ def _config(path: str) -> dict:
     return config
 
 
+def check_folder(path: str) -> None:
+    """A ``ValueError`` naming the field unless ``path`` holds a PEFT LoRA adapter we serve (its config
+    and a weights file; the weights' shapes are checked where it is loaded, against the model)."""
+    _config(path)
+    if not any(os.path.isfile(os.path.join(path, f)) for f in ("adapter_model.safetensors", "adapter_model.bin")):
+        raise ValueError(f"lora_path: {path!r} has no adapter_model.safetensors (or adapter_model.bin)")
+
+
 def _state(path: str) -> dict[str, torch.Tensor]:
     st, binary = os.path.join(path, "adapter_model.safetensors"), os.path.join(path, "adapter_model.bin")
     if os.path.isfile(st):

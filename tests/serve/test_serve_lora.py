@@ -22,16 +22,18 @@ def lora_app(serve_url, opt_tiny, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("adapters")
     _peft(opt_tiny, str(root / "sql"), ["q_proj", "v_proj"], r=8, alpha=16, seed=1)
+    _peft(opt_tiny, str(root / "late"), ["q_proj", "v_proj", "fc1"], r=4, alpha=8, seed=3)
     serve.run(build_app({
-        "model": opt_tiny, "served_model_name": "opt-tiny", "dtype": "float32", "num_replicas": 1, "num_pages": 64, "num_threads": 1,
-        "num_cpus_per_replica": 0.5, "lora_modules": [f"sql={root / 'sql'}"], "max_lora_rank": 8,
+        "model": opt_tiny, "served_model_name": "opt-tiny", "dtype": "float32", "num_replicas": 2, "num_pages": 64,
+        "num_threads": 1, "num_cpus_per_replica": 0.5, "lora_modules": [f"sql={root / 'sql'}"], "max_loras": 2,
+        "max_lora_rank": 8, "allow_runtime_lora_updating": True, "control_interval_s": 0.1,
     }), name=APP, route_prefix="/lora")
-    yield opt_tiny, str(root / "sql")
+    yield opt_tiny, str(root / "sql"), str(root / "late")
     serve.delete(APP)
 
 
 def test_a_request_names_its_adapter_as_its_model(lora_app, serve_url):
-    base, adapter = lora_app
+    base, adapter, _ = lora_app
     with httpx.Client(base_url=serve_url + "/lora", timeout=60) as client:
         models = client.get("/v1/models").json()["data"]
         assert [(m["id"], m.get("parent")) for m in models] == [("opt-tiny", None), ("sql", "opt-tiny")]
@@ -49,3 +51,30 @@ def test_a_request_names_its_adapter_as_its_model(lora_app, serve_url):
     offline = llm.generate([PROMPT, PROMPT], sp, lora_name=[None, "sql"])
     assert texts == {"opt-tiny": offline[0].outputs[0].text, "sql": offline[1].outputs[0].text}
     assert texts["opt-tiny"] != texts["sql"]
+
+
+def test_adapters_load_and_unload_at_run_time_as_vllms_endpoints_do(lora_app, serve_url):
+    base, _, late = lora_app
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    with httpx.Client(base_url=serve_url + "/lora", timeout=60) as client:
+        assert_openai_error(client.post("/v1/completions", json={"model": "late", **body}), 404)
+        loaded = client.post("/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": late})
+        assert loaded.status_code == 200 and "added successfully" in loaded.text
+        assert_openai_error(client.post("/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": late}), 400)
+        assert_openai_error(client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/nope"}), 400)
+        assert_openai_error(client.post("/v1/load_lora_adapter", json={"lora_name": "x"}), 400)
+        assert "late" in [m["id"] for m in client.get("/v1/models").json()["data"]]
+        # Whichever replica serves it loads it on its first request for it; the offline engine's output.
+        texts = set()
+        for _ in range(4):
+            response = client.post("/v1/completions", json={"model": "late", **body})
+            assert response.status_code == 200, response.text
+            texts.add(response.json()["choices"][0]["text"])
+        unloaded = client.post("/v1/unload_lora_adapter", json={"lora_name": "late"})
+        assert unloaded.status_code == 200, unloaded.text
+        assert_openai_error(client.post("/v1/unload_lora_adapter", json={"lora_name": "late"}), 404)
+        assert_openai_error(client.post("/v1/unload_lora_adapter", json={"lora_name": "sql"}), 400)  # from start
+        assert_openai_error(client.post("/v1/completions", json={"model": "late", **body}), 404)
+    llm = LLM(base, dtype="float32", num_pages=64, lora_modules=(f"late={late}",), max_lora_rank=8)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert texts == {llm.generate([PROMPT], sp, lora_name="late")[0].outputs[0].text}
