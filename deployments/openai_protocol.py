@@ -376,6 +376,32 @@ _FIELD_NAMES = frozenset().union(*(m.model_fields for m in (
     FunctionDefinition, ToolCall, FunctionCall, NamedToolChoice, NamedFunction)))
 
 
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's ``POST /v1/load_lora_adapter`` body: a PEFT folder on the server's machine, by name."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    load_inplace: bool = False  # vLLM's: replace an adapter of that name
+
+    def check_supported(self) -> None:
+        if self.load_inplace:
+            raise APIError("load_inplace: replacing a loaded adapter is not supported; unload it first",
+                           param="load_inplace")
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """vLLM's ``POST /v1/unload_lora_adapter`` body."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    lora_name: str = Field(min_length=1)
+
+    def check_supported(self) -> None:
+        pass
+
+
 def parse_request(cls: type[_SamplingFields], raw: bytes | dict) -> _SamplingFields:
     """Bytes (HTTP) or a dict (Python handle) -> a checked request, or ``APIError``."""
     if isinstance(raw, (bytes, str)):

@@ -28,7 +28,6 @@ joins the same trace. ``GET /v1/debug/memory_timeline`` draws a replica's cache-
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import math
 import time
@@ -178,7 +177,7 @@ class Router:
         self._runtime_adapters = dict(runtime)
         self.preparer.adapters = {**dict.fromkeys(self.options.lora_modules), **runtime}
 
-    @api.post("/v1/load_lora_adapter")
+    @api.post("/v1/load_lora_adapter", openapi_extra=oai.openapi_body(oai.LoadLoRAAdapterRequest))
     async def http_load_lora_adapter(self, request: Request):
         """vLLM's: ``{"lora_name", "lora_path"}``; every replica loads it on its first request for it."""
         try:
@@ -186,7 +185,7 @@ class Router:
         except oai.APIError as exc:
             return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
 
-    @api.post("/v1/unload_lora_adapter")
+    @api.post("/v1/unload_lora_adapter", openapi_extra=oai.openapi_body(oai.UnloadLoRAAdapterRequest))
     async def http_unload_lora_adapter(self, request: Request):
         """vLLM's: ``{"lora_name"}``; adapters loaded at start (``lora_modules``) stay."""
         try:
@@ -195,8 +194,10 @@ class Router:
             return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
 
     async def _load_lora_adapter(self, request: Request):
-        body = await self._lora_body(request, ("lora_name", "lora_path"))
-        name, path = body["lora_name"], body["lora_path"]
+        body = await self._lora_body(request, oai.LoadLoRAAdapterRequest)
+        name, path = body.lora_name, body.lora_path
+        if not name.strip() or name != name.strip():
+            raise oai.APIError("lora_name: must not be blank or start or end with spaces", param="lora_name")
         if name == self.served_model_name or name in self._adapter_paths():
             raise oai.APIError(f"lora_name: the adapter `{name}` has already been loaded", param="lora_name")
         from apt_serve_ray.lora.peft import check_folder
@@ -210,7 +211,7 @@ class Router:
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     async def _unload_lora_adapter(self, request: Request):
-        name = (await self._lora_body(request, ("lora_name",)))["lora_name"]
+        name = (await self._lora_body(request, oai.UnloadLoRAAdapterRequest)).lora_name
         if name in self.options.lora_modules:
             raise oai.APIError(f"lora_name: `{name}` was loaded at start (lora_modules) and stays", param="lora_name")
         if not await self.controller.remove_adapter.remote(name):
@@ -219,19 +220,11 @@ class Router:
         self._sync_adapters({n: p for n, p in self._runtime_adapters.items() if n != name})
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
-    async def _lora_body(self, request: Request, fields: tuple[str, ...]) -> dict:
+    async def _lora_body(self, request: Request, cls):
         if not self.options.allow_runtime_lora_updating:
-            raise oai.APIError("loading LoRA adapters at run time is off (allow_runtime_lora_updating)", status=404)
-        try:
-            body = json.loads(await read_body(request, self.options.max_request_body_bytes))
-        except ValueError:
-            raise oai.APIError("body: must be a JSON object") from None
-        if not isinstance(body, dict):
-            raise oai.APIError("body: must be a JSON object")
-        for field in fields:
-            if not isinstance(body.get(field), str) or not body[field].strip():
-                raise oai.APIError(f"{field}: must be a non-empty string", param=field)
-        return body
+            raise oai.APIError("loading LoRA adapters at run time is off (allow_runtime_lora_updating)", status=404,
+                               code="not_found")
+        return oai.parse_request(cls, await read_body(request, self.options.max_request_body_bytes))
 
     @api.get("/health")
     async def http_health(self):

@@ -165,7 +165,8 @@ def test_bodies_over_the_limit_get_413_with_or_without_a_length(client, app):
 
 # Schema-driven fuzzing ----------------------------------------------------------------------------
 FUZZ_EXAMPLES = {"POST /v1/completions": 100, "POST /v1/chat/completions": 100, "GET /v1/models": 5,
-                 "GET /health": 5, "GET /v1/debug/memory_timeline": 10}
+                 "GET /health": 5, "GET /v1/debug/memory_timeline": 10,
+                 "POST /v1/load_lora_adapter": 20, "POST /v1/unload_lora_adapter": 20}  # 404 here: off in this app
 
 
 def test_fuzzing_from_the_openapi_schema_finds_no_server_error(client, app, serve_url):
