@@ -304,7 +304,7 @@ class EngineReplica:
                 except ValueError as exc:
                     if "already loaded" in str(exc):  # loaded at start (lora_modules)
                         return None
-                    if "max_loras" not in str(exc) or not self._runtime_loras:
+                    if not str(exc).startswith("max_loras:") or not self._runtime_loras:
                         return str(exc)
                     oldest, _ = self._runtime_loras.popitem(last=False)
                     await self.engine.remove_lora(oldest)

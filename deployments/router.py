@@ -52,6 +52,7 @@ from deployments import auth, responses
 from deployments.admission import AdmissionQueue, QueueFull
 from deployments.affinity import keep_off_engine_cpus
 from deployments.metrics import RouterMetrics, make_backend, snapshot
+from deployments.lora_registry import AdapterRegistry
 from deployments.request_body import read_body
 from deployments.prefix_affinity import fits_beside_cached_prefix, process_index
 from deployments.preparation import ModelLimits, Prepared, RequestPreparer
@@ -133,7 +134,7 @@ class Router:
             default_ttft_slo_ms=options.default_ttft_slo_ms, output_horizon_tokens=options.output_horizon_tokens,
             service_classes=ServiceClasses(options.service_classes, options.default_service_class),
             adapters=dict.fromkeys(options.lora_modules))
-        self._runtime_adapters: dict[str, str] = {}  # LoRA adapters loaded at run time (the controller's list)
+        self.adapters = AdapterRegistry(options.lora_modules, self.served_model_name)
         self.admission = AdmissionQueue(options.max_in_flight, options.max_queued_requests,
                                         options.admission_weights, options.urgency_slack_s, options.max_wait_s,
                                         options.fairness_penalty)
@@ -163,68 +164,47 @@ class Router:
         limits = await self.model_limits()
         return {"object": "list", "data": [{
             "id": self.served_model_name, "object": "model", "created": self.created, "owned_by": "apt-serve-ray",
-            "root": self.options.model, "max_model_len": limits.max_model_len}] + [{
-            "id": name, "object": "model", "created": self.created, "owned_by": "apt-serve-ray", "root": path,
-            "parent": self.served_model_name, "max_model_len": limits.max_model_len}
-            for name, path in self._adapter_paths().items()]}
-
-    def _adapter_paths(self) -> dict[str, str]:
-        """Every LoRA adapter a request may name: {name: its folder}."""
-        return {**self.options.lora_modules, **self._runtime_adapters}
+            "root": self.options.model, "max_model_len": limits.max_model_len}]
+            + self.adapters.model_cards(self.created, limits.max_model_len)}
 
     def _sync_adapters(self, runtime: dict[str, str]) -> None:
         """The adapters loaded at run time, as the controller lists them (or as this router just changed them)."""
-        self._runtime_adapters = dict(runtime)
-        self.preparer.adapters = {**dict.fromkeys(self.options.lora_modules), **runtime}
+        self.adapters.runtime = dict(runtime)
+        self.preparer.adapters = self.adapters.for_requests()
 
     @api.post("/v1/load_lora_adapter", openapi_extra=oai.openapi_body(oai.LoadLoRAAdapterRequest))
     async def http_load_lora_adapter(self, request: Request):
         """vLLM's: ``{"lora_name", "lora_path"}``; every replica loads it on its first request for it."""
-        try:
-            return await self._load_lora_adapter(request)
-        except oai.APIError as exc:
-            return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
+        return await self._lora_endpoint(request, oai.LoadLoRAAdapterRequest, self._load_adapter)
 
     @api.post("/v1/unload_lora_adapter", openapi_extra=oai.openapi_body(oai.UnloadLoRAAdapterRequest))
     async def http_unload_lora_adapter(self, request: Request):
         """vLLM's: ``{"lora_name"}``; adapters loaded at start (``lora_modules``) stay."""
+        return await self._lora_endpoint(request, oai.UnloadLoRAAdapterRequest, self._unload_adapter)
+
+    async def _lora_endpoint(self, request: Request, cls, act):
         try:
-            return await self._unload_lora_adapter(request)
+            if not self.options.allow_runtime_lora_updating:
+                raise oai.APIError("loading LoRA adapters at run time is off (allow_runtime_lora_updating)",
+                                   status=404, code="not_found")
+            return await act(oai.parse_request(cls, await read_body(request, self.options.max_request_body_bytes)))
         except oai.APIError as exc:
             return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
 
-    async def _load_lora_adapter(self, request: Request):
-        body = await self._lora_body(request, oai.LoadLoRAAdapterRequest)
-        name, path = body.lora_name, body.lora_path
-        if not name.strip() or name != name.strip():
-            raise oai.APIError("lora_name: must not be blank or start or end with spaces", param="lora_name")
-        if name == self.served_model_name or name in self._adapter_paths():
-            raise oai.APIError(f"lora_name: the adapter `{name}` has already been loaded", param="lora_name")
-        from apt_serve_ray.lora.peft import check_folder
+    async def _load_adapter(self, body: oai.LoadLoRAAdapterRequest):
+        self.adapters.check_load(body)
+        await self.controller.set_adapter.remote(body.lora_name, body.lora_path)
+        self._sync_adapters({**self.adapters.runtime, body.lora_name: body.lora_path})
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
-        try:
-            check_folder(path)
-        except ValueError as exc:
-            raise oai.from_value_error(exc) from None
-        await self.controller.set_adapter.remote(name, path)
-        self._sync_adapters({**self._runtime_adapters, name: path})
-        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
-
-    async def _unload_lora_adapter(self, request: Request):
-        name = (await self._lora_body(request, oai.UnloadLoRAAdapterRequest)).lora_name
-        if name in self.options.lora_modules:
-            raise oai.APIError(f"lora_name: `{name}` was loaded at start (lora_modules) and stays", param="lora_name")
+    async def _unload_adapter(self, body: oai.UnloadLoRAAdapterRequest):
+        name = body.lora_name
+        self.adapters.check_unload(body)
         if not await self.controller.remove_adapter.remote(name):
             raise oai.APIError(f"lora_name: no adapter `{name}` is loaded", status=404, param="lora_name",
                                code="model_not_found")
-        self._sync_adapters({n: p for n, p in self._runtime_adapters.items() if n != name})
+        self._sync_adapters({n: p for n, p in self.adapters.runtime.items() if n != name})
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
-
-    async def _lora_body(self, request: Request, cls):
-        if not self.options.allow_runtime_lora_updating:
-            raise oai.APIError("loading LoRA adapters at run time is off (allow_runtime_lora_updating)", status=404,
-                               code="not_found")
-        return oai.parse_request(cls, await read_body(request, self.options.max_request_body_bytes))
 
     @api.get("/health")
     async def http_health(self):

@@ -1,0 +1,47 @@
+"""The LoRA adapters a router lets requests name (issue 43): those every engine replica loads at start
+(``lora_modules``) and those loaded at run time through vLLM's ``/v1/load_lora_adapter``, which the controller
+lists for every router (``ControllerState.adapters``). The checks of vLLM's two endpoints live here, without Ray."""
+
+from __future__ import annotations
+
+from deployments import openai_protocol as oai
+
+
+class AdapterRegistry:
+    def __init__(self, lora_modules: dict[str, str], served_model_name: str) -> None:
+        self.static = dict(lora_modules)  # {name: folder}, loaded by every replica at start
+        self.runtime: dict[str, str] = {}  # {name: folder}, as the controller lists them
+        self.served_model_name = served_model_name
+
+    def paths(self) -> dict[str, str]:
+        """Every adapter a request may name: {name: its folder}."""
+        return {**self.static, **self.runtime}
+
+    def for_requests(self) -> dict[str, str | None]:
+        """{name: the folder a replica loads it from on its first request for it; None: loaded at start}."""
+        return {**dict.fromkeys(self.static), **self.runtime}
+
+    def model_cards(self, created: int, max_model_len: int) -> list[dict]:
+        """``/v1/models`` entries, one per adapter, with its ``parent`` (as vLLM lists them)."""
+        return [{"id": name, "object": "model", "created": created, "owned_by": "apt-serve-ray", "root": path,
+                 "parent": self.served_model_name, "max_model_len": max_model_len}
+                for name, path in self.paths().items()]
+
+    def check_load(self, body: oai.LoadLoRAAdapterRequest) -> None:
+        """``APIError`` naming the field unless ``body`` names a new adapter in a folder we can serve."""
+        name = body.lora_name
+        if not name.strip() or name != name.strip():
+            raise oai.APIError("lora_name: must not be blank or start or end with spaces", param="lora_name")
+        if name == self.served_model_name or name in self.paths():
+            raise oai.APIError(f"lora_name: the adapter `{name}` has already been loaded", param="lora_name")
+        from apt_serve_ray.lora.peft import check_folder
+
+        try:
+            check_folder(body.lora_path)
+        except ValueError as exc:
+            raise oai.from_value_error(exc) from None
+
+    def check_unload(self, body: oai.UnloadLoRAAdapterRequest) -> None:
+        if body.lora_name in self.static:
+            raise oai.APIError(f"lora_name: `{body.lora_name}` was loaded at start (lora_modules) and stays",
+                               param="lora_name")
