@@ -131,7 +131,7 @@ def _paged_prefill_case(dtype, n, start, heads, kv_heads, dim, seed):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n,start", [(1, 0), (5, 0), (37, 0), (64, 0), (33, 100), (3, 47), (70, 31)])
+@pytest.mark.parametrize("n,start", [(1, 0), (5, 0), (37, 0), (64, 0), (33, 100), (3, 47), (70, 31), (41, 290)])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 64), (8, 2, 32), (2, 1, 128)])
 def test_prefill_attention_matches_reference(dtype, n, start, heads, kv_heads, dim, threads):
     if not ca.prefill_supported(dim, dtype):

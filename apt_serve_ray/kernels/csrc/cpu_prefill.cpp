@@ -21,6 +21,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -54,12 +55,15 @@ struct PackedKeys {
   std::vector<Elem> data;
   int64_t per_block;  // elements per 16-key block: D/2 pairs x 16, or D x 16
 
-  void pack(const T* k_base, int64_t page_stride, int64_t tok_stride, const int32_t* table, int64_t bs,
-            int64_t ctx, int64_t dim) {
-    const int64_t blocks = (ctx + 15) / 16;
+  void reserve(int64_t ctx, int64_t dim) {
     per_block = (kDot<T> ? dim / 2 : dim) * 16;
-    data.assign(blocks * per_block, Elem{});
-    for (int64_t j = 0; j < ctx; ++j) {
+    data.assign(((ctx + 15) / 16) * per_block, Elem{});
+  }
+
+  // Keys j0 .. j1 (j0 a multiple of 16); reserve() first.
+  void pack(const T* k_base, int64_t page_stride, int64_t tok_stride, const int32_t* table, int64_t bs,
+            int64_t j0, int64_t j1, int64_t dim) {
+    for (int64_t j = j0; j < j1; ++j) {
       const T* row = k_base + table[j / bs] * page_stride + (j % bs) * tok_stride;
       Elem* blk = data.data() + (j / 16) * per_block + (j % 16);
       if constexpr (kDot<T>) {
@@ -82,11 +86,12 @@ struct PackedKeys {
 struct PackedValues {
   std::vector<uint32_t> data;
 
+  void reserve(int64_t ctx, int64_t dim) { data.assign(((ctx + 1) / 2) * dim, 0u); }
+
+  // Keys first .. end of ctx (first even); reserve() first.
   void pack(const bf16* v_base, int64_t page_stride, int64_t tok_stride, const int32_t* table, int64_t bs,
-            int64_t ctx, int64_t dim) {
-    const int64_t pairs = (ctx + 1) / 2;
-    data.assign(pairs * dim, 0u);
-    for (int64_t jp = 0; jp < pairs; ++jp) {
+            int64_t first, int64_t end, int64_t ctx, int64_t dim) {
+    for (int64_t jp = first / 2; jp < (end + 1) / 2; ++jp) {
       const int64_t j0 = 2 * jp, j1 = j0 + 1;
       const bf16* r0 = v_base + table[j0 / bs] * page_stride + (j0 % bs) * tok_stride;
       const bf16* r1 = j1 < ctx ? v_base + table[j1 / bs] * page_stride + (j1 % bs) * tok_stride : nullptr;
@@ -123,12 +128,15 @@ inline void accumulate_values(const float* p, const T* const* vrows, int64_t n, 
   }
 }
 
-template <typename T, int NV>
-void rows_attention(const T* q, int64_t q_stride, int rows, int64_t first_pos, const PackedKeys<T>& kp,
+// One work item: ROWS consecutive query rows of one head (ROWS a constant, so that the score and output
+// accumulators live in registers).
+template <typename T, int NV, int ROWS>
+void rows_attention(const T* q, int64_t q_stride, int64_t first_pos, const PackedKeys<T>& kp,
                     const PackedValues* vpk, const T* v_base, int64_t page_stride, int64_t tok_stride, const int32_t* table, int64_t bs,
                     int64_t dim, float scale, T* out, int64_t out_stride) {
   using Elem = typename PackedKeys<T>::Elem;
   // Queries: bf16 pairs (dot path) or floats, pre-scaled in the float path.
+  constexpr int rows = ROWS;
   alignas(64) Elem qv[kRows][256];
   for (int r = 0; r < rows; ++r) {
     if constexpr (kDot<T>) {
@@ -153,22 +161,37 @@ void rows_attention(const T* q, int64_t q_stride, int rows, int64_t first_pos, c
     const int64_t n = std::min<int64_t>(kTile, last + 1 - t0);
     __m512 s[kRows][2];
     for (int r = 0; r < kRows; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
-    for (int b = 0; b < 2 && 16 * b < n; ++b) {
-      const Elem* kb = kp.data.data() + ((t0 + 16 * b) / 16) * kp.per_block;
-      const int64_t steps = kDot<T> ? dim / 2 : dim;
+    // Both blocks of the tile in one pass: 2 x ROWS independent accumulators hide the instruction's latency
+    // (one block at a time left ROWS chains, and the dot-product unit mostly waiting).
+    const Elem* kb0 = kp.data.data() + (t0 / 16) * kp.per_block;
+    const int64_t steps = kDot<T> ? dim / 2 : dim;
+    auto score = [&](auto two) {
+      constexpr bool kTwo = decltype(two)::value;
+      const Elem* kb1 = kb0 + (kTwo ? kp.per_block : 0);
       for (int64_t i = 0; i < steps; ++i) {
-        const __m512 kv = _mm512_loadu_ps(reinterpret_cast<const float*>(kb + i * 16));
+        const __m512 kv0 = _mm512_loadu_ps(reinterpret_cast<const float*>(kb0 + i * 16));
+        __m512 kv1 = kv0;
+        if constexpr (kTwo) kv1 = _mm512_loadu_ps(reinterpret_cast<const float*>(kb1 + i * 16));
         for (int r = 0; r < rows; ++r) {
           if constexpr (kDot<T>) {
 #if defined(__AVX512BF16__)
-            s[r][b] = _mm512_dpbf16_ps(s[r][b], reinterpret_cast<__m512bh>(_mm512_set1_epi32(int(qv[r][i]))),
-                                       reinterpret_cast<__m512bh>(_mm512_castps_si512(kv)));
+            const __m512bh qr = reinterpret_cast<__m512bh>(_mm512_set1_epi32(int(qv[r][i])));
+            s[r][0] = _mm512_dpbf16_ps(s[r][0], qr, reinterpret_cast<__m512bh>(_mm512_castps_si512(kv0)));
+            if constexpr (kTwo)
+              s[r][1] = _mm512_dpbf16_ps(s[r][1], qr, reinterpret_cast<__m512bh>(_mm512_castps_si512(kv1)));
 #endif
           } else {
-            s[r][b] = _mm512_fmadd_ps(_mm512_set1_ps(qv[r][i]), kv, s[r][b]);
+            const __m512 qr = _mm512_set1_ps(qv[r][i]);
+            s[r][0] = _mm512_fmadd_ps(qr, kv0, s[r][0]);
+            if constexpr (kTwo) s[r][1] = _mm512_fmadd_ps(qr, kv1, s[r][1]);
           }
         }
       }
+    };
+    if (n > 16) {
+      score(std::true_type{});
+    } else {
+      score(std::false_type{});
     }
     for (int r = 0; r < rows; ++r) {
       // Causal mask and the tile's tail: key t0 + j is visible to row r iff t0 + j <= first_pos + r.
@@ -249,23 +272,49 @@ void prefill_impl(const torch::Tensor& q, const torch::Tensor& kp_t, const torch
   const int32_t* table = table_t.data_ptr<int32_t>();
   std::vector<PackedKeys<T>> keys(kvh);
   std::vector<PackedValues> values(kDot<T> ? kvh : 0);
-  at::parallel_for(0, kvh, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      keys[g].pack(kp_t.data_ptr<T>() + g * kp_t.stride(2), kp_t.stride(0), kp_t.stride(1), table, bs, ctx, dim);
+  for (int64_t g = 0; g < kvh; ++g) {
+    keys[g].reserve(ctx, dim);
+    if constexpr (kDot<T>) values[g].reserve(ctx, dim);
+  }
+  // Packing in (kv head, 256 keys) pieces, so that a model with few kv heads packs on every thread too.
+  constexpr int64_t kPackKeys = 256;
+  const int64_t pieces = (ctx + kPackKeys - 1) / kPackKeys;
+  at::parallel_for(0, kvh * pieces, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t g = i / pieces, j0 = (i % pieces) * kPackKeys, j1 = std::min(ctx, j0 + kPackKeys);
+      keys[g].pack(kp_t.data_ptr<T>() + g * kp_t.stride(2), kp_t.stride(0), kp_t.stride(1), table, bs, j0, j1, dim);
       if constexpr (kDot<T>)
-        values[g].pack(vp_t.data_ptr<T>() + g * vp_t.stride(2), vp_t.stride(0), vp_t.stride(1), table, bs, ctx, dim);
+        values[g].pack(vp_t.data_ptr<T>() + g * vp_t.stride(2), vp_t.stride(0), vp_t.stride(1), table, bs, j0, j1,
+                       ctx, dim);
     }
   });
-  const int64_t groups = (n + kRows - 1) / kRows;
-  // Later row groups see more keys: interleave heads within a group index so threads get mixed loads.
-  at::parallel_for(0, heads * groups, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t h = i % heads, row = (i / heads) * kRows;
-      const int rows = static_cast<int>(std::min<int64_t>(kRows, n - row));
+  const int64_t groups = (n + kRows - 1) / kRows, items = heads * groups;
+  // Later row groups see more keys (causal): items are taken from a shared counter, the heaviest first, so
+  // the threads end together (contiguous ranges gave one thread the light first half and the other three
+  // quarters of the work), and a thread the OS preempts holds up only the item it has.
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < items;
+         i = next.fetch_add(1, std::memory_order_relaxed)) {
+      const int64_t h = i % heads, row = (groups - 1 - i / heads) * kRows;
       const int64_t g = h / group;
-      rows_attention<T, NV>(q.data_ptr<T>() + row * heads * dim + h * dim, heads * dim, rows, start_pos + row,
-                            keys[g], kDot<T> ? &values[g] : nullptr, vp_t.data_ptr<T>() + g * vp_t.stride(2),
-                            vp_t.stride(0), vp_t.stride(1), table, bs, dim, float(scale), out.data_ptr<T>() + row * heads * dim + h * dim, heads * dim);
+      const T* qr = q.data_ptr<T>() + row * heads * dim + h * dim;
+      T* o = out.data_ptr<T>() + row * heads * dim + h * dim;
+      const T* vb = vp_t.data_ptr<T>() + g * vp_t.stride(2);
+      const PackedValues* vp = kDot<T> ? &values[g] : nullptr;
+      switch (std::min<int64_t>(kRows, n - row)) {
+#define APT_ROWS(R)                                                                                               \
+  case R:                                                                                                         \
+    rows_attention<T, NV, R>(qr, heads * dim, start_pos + row, keys[g], vp, vb, vp_t.stride(0), vp_t.stride(1),   \
+                             table, bs, dim, float(scale), o, heads * dim);                                       \
+    break;
+        APT_ROWS(4)
+        APT_ROWS(3)
+        APT_ROWS(2)
+        APT_ROWS(1)
+#undef APT_ROWS
+      }
     }
   });
 }
