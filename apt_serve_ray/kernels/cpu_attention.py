@@ -1,10 +1,11 @@
 """CPU decode attention that reads cache pages where they sit (C++/OpenMP), with PyTorch references.
 
 The extension (``csrc/``: decode in ``cpu_attention.cpp``, ``cpu_hidden.cpp`` and ``cpu_kv_int8.cpp`` on
-the skeleton of ``flash_decode.h``, prefill in ``cpu_prefill.cpp``, SIMD in ``simd.h``) is compiled on
-first use with ``torch.utils.cpp_extension`` (g++ and ninja; ``scripts/setup.sh`` builds it ahead of time) for this CPU (``-march=native``): the
-build directory is keyed by the source, the torch version and the CPU's feature flags, so a machine
-with another CPU builds its own copy. ``load()`` raises ``RuntimeError`` saying what is missing when
+the skeleton of ``flash_decode.h``, prefill in ``cpu_prefill.cpp``, SIMD in ``simd.h``, work shared out
+between threads by ``work_queue.h``) is compiled on first use with ``torch.utils.cpp_extension`` (g++ and
+ninja; ``scripts/setup.sh`` builds it ahead of time) for this CPU (``-march=native``): the build directory
+is keyed by the source, the torch version and the CPU's feature flags, so a machine with another CPU
+builds its own copy. ``load()`` raises ``RuntimeError`` saying what is missing when
 it cannot build; ``is_available()`` only answers.
 
 Layouts the wrappers assert (B requests, H query heads, KVH kv heads, D head dim)::

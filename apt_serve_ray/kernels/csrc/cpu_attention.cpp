@@ -15,6 +15,7 @@
 // bf16 and the head dim allows it; accumulators go back to natural order when a partial is written.
 
 #include "flash_decode.h"
+#include "work_queue.h"
 
 namespace {
 using namespace apt_simd;
@@ -35,10 +36,11 @@ void kv_decode_impl(const torch::Tensor& q, const torch::Tensor& kv, const torch
   const int64_t row = 2 + dim;
   std::vector<float> partials(items.size() * heads * row);
   const auto path = page_path<T, T>(dim);
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+  apt_work::WorkQueue work(static_cast<int64_t>(items.size()));
+  at::parallel_for(0, work.threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> qf(heads * dim), tmp(dim), s(heads * bs);
     Partial st(heads, dim);
-    for (int64_t i = i0; i < i1; ++i) {
+    for (int64_t i; work.take(i);) {
       const Item& it = items[i];
       load_query(q_base + it.b * heads * dim, heads, dim, float(scale), path.q_split, qf.data(), tmp.data());
       st.init();
@@ -142,12 +144,13 @@ void hidden_projected_impl(const torch::Tensor& q, const Source& source, int64_t
   const int64_t row = 2 + dim;
   std::vector<float> partials(items.size() * heads * row);
   const auto path = page_path<float, T>(dim);
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+  apt_work::WorkQueue work(static_cast<int64_t>(items.size()));
+  at::parallel_for(0, work.threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> qf(heads * dim), tmp(dim), s(heads * tpp), kf(tpp * kv_dim);
     Partial st(heads, dim);
     auto tile = torch::empty({tpp, 2 * kv_dim}, w_kv_t.options());
     auto xtile = torch::empty({tpp, w_kv_t.size(0)}, w_kv_t.options());
-    for (int64_t i = i0; i < i1; ++i) {
+    for (int64_t i; work.take(i);) {
       const Item& it = items[i];
       load_query(q_base + it.b * heads * dim, heads, dim, float(scale), path.q_split, qf.data(), tmp.data());
       st.init();

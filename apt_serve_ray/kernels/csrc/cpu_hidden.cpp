@@ -3,6 +3,7 @@
 // pages take the same path over each page dequantised into a thread-local tile (see Int8Pages).
 
 #include "flash_decode.h"
+#include "work_queue.h"
 
 namespace {
 using namespace apt_simd;
@@ -133,11 +134,12 @@ void hidden_absorbed_loop(const torch::Tensor& qk, const Source& source, int64_t
   // Tiled sources are attended 32 rows at a time: a bf16 tile is then a bf16 hidden page's size
   // (OPT-125m: 48 KiB); 8, 16, 32 and 64 rows measured within noise of each other.
   const int64_t chunk = Source::kTiled ? std::min<int64_t>(tpp, 32) : tpp;
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+  apt_work::WorkQueue work(static_cast<int64_t>(items.size()));
+  at::parallel_for(0, work.threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> q(heads * hid), s(heads * tpp);
     std::vector<T> tile(Source::kTiled ? chunk * hid : 0);
     Partial st(heads, hid);
-    for (int64_t i = i0; i < i1; ++i) {
+    for (int64_t i; work.take(i);) {
       const Item& it = items[i];
       const float* qb = qk_base + it.b * heads * hid;
       if (split)

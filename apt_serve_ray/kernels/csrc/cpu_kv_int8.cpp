@@ -9,6 +9,7 @@
 // the bytes of bf16 K/V (a quarter of float32's). Rows stay in natural order (no bf16 split).
 
 #include "flash_decode.h"
+#include "work_queue.h"
 
 namespace {
 using namespace apt_simd;
@@ -115,10 +116,11 @@ void kv_int8_decode_impl(const torch::Tensor& q, const torch::Tensor& kv, const 
   const int64_t row = 2 + dim;
   std::vector<float> partials(items.size() * heads * row);
   const PageFn fn = page_fn_i8(dim);
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+  apt_work::WorkQueue work(static_cast<int64_t>(items.size()));
+  at::parallel_for(0, work.threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> qf(heads * dim), tmp(dim), s(heads * tpp);
     Partial st(heads, dim);
-    for (int64_t i = i0; i < i1; ++i) {
+    for (int64_t i; work.take(i);) {
       const Item& it = items[i];
       load_query(q_base + it.b * heads * dim, heads, dim, float(scale), false, qf.data(), tmp.data());
       st.init();

@@ -21,7 +21,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -30,6 +29,7 @@
 #include <vector>
 
 #include "simd.h"
+#include "work_queue.h"
 
 #if defined(__AVX512F__)
 namespace {
@@ -292,11 +292,9 @@ void prefill_impl(const torch::Tensor& q, const torch::Tensor& kp_t, const torch
   // Later row groups see more keys (causal): items are taken from a shared counter, the heaviest first, so
   // the threads end together (contiguous ranges gave one thread the light first half and the other three
   // quarters of the work), and a thread the OS preempts holds up only the item it has.
-  std::atomic<int64_t> next{0};
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < items;
-         i = next.fetch_add(1, std::memory_order_relaxed)) {
+  apt_work::WorkQueue work(items);
+  at::parallel_for(0, work.threads(), 1, [&](int64_t, int64_t) {
+    for (int64_t i; work.take(i);) {
       const int64_t h = i % heads, row = (groups - 1 - i / heads) * kRows;
       const int64_t g = h / group;
       const T* qr = q.data_ptr<T>() + row * heads * dim + h * dim;
