@@ -37,6 +37,17 @@ from apt_serve_ray.cache.storage import CacheStorage
 from apt_serve_ray.request import CacheKind
 
 
+def kv_rows(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """[T, 2 * KVH * D]: each token's K row then its V row, as the cache stores them. Where ``v`` sits right
+    after ``k`` in each token's row (both views of one fused QKV projection's output, K not rotated into a
+    new tensor), a view of that output: no copy before the cache write; otherwise one stacked copy."""
+    t, kvh, d = k.shape
+    if (k.stride() == v.stride() and k.stride(2) == 1 and k.stride(1) == d and k.dtype == v.dtype
+            and v.data_ptr() - k.data_ptr() == kvh * d * k.element_size()):
+        return k.as_strided((t, 2 * kvh * d), (k.stride(0), 1))
+    return torch.stack((k, v), dim=1).flatten(1)
+
+
 class AttentionBackend:
     """The PyTorch reference backend (runs on any device). Subclasses replace the decode paths."""
 
@@ -168,7 +179,7 @@ class AttentionBackend:
                 else:
                     storage.hidden[layer][w.pages, w.offsets] = x[w.rows]
             else:
-                kv_new = torch.stack((k[w.rows], v[w.rows]), dim=1).flatten(1)
+                kv_new = kv_rows(k, v) if w.all_rows else torch.stack((k[w.rows], v[w.rows]), dim=1).flatten(1)
                 storage.kv_token_rows[layer].index_copy_(0, w.slots, kv_new)
 
     # 2. decode ------------------------------------------------------------------------------------

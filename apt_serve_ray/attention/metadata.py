@@ -63,6 +63,7 @@ class SlotWrite:
     pages: torch.Tensor
     offsets: torch.Tensor
     slots: torch.Tensor  # page * tokens_per_page + offset
+    all_rows: bool = False  # rows are every row of the step, in order (the writes need not pick them)
 
 
 @dataclass

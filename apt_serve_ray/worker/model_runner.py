@@ -232,7 +232,7 @@ class ModelRunner:
             own = self._decode_group([(e[0], e[3], e[4]) for e in entries], kind)
             meta.decode_segmented.append(SegmentedDecode(prefix.rows, prefix_kind, kind, prefix, own,
                                                          self._to(torch.tensor([e[1] for e in entries]))))
-        meta.writes = {kind: self._slot_write(*w, kind) for kind, w in writes.items() if w[0]}
+        meta.writes = {kind: self._slot_write(*w, kind, row) for kind, w in writes.items() if w[0]}
         meta.decodes = {kind: self._decode_group(d, kind) for kind, d in decodes.items() if d}
         return self._to(torch.tensor(ids)), self._to(torch.tensor(positions)), meta, sample_rows, sample_requests
 
@@ -251,13 +251,13 @@ class ModelRunner:
     def _to(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device, non_blocking=True)
 
-    def _slot_write(self, rows: list[int], slots: list[int], kind: CacheKind) -> SlotWrite | None:
+    def _slot_write(self, rows: list[int], slots: list[int], kind: CacheKind, num_tokens: int) -> SlotWrite | None:
         if not rows:
             return None
         slots_t = torch.tensor(slots)
         tpp = self.layout.tokens_per_page(kind)
         return SlotWrite(self._to(torch.tensor(rows)), self._to(slots_t // tpp), self._to(slots_t % tpp),
-                         self._to(slots_t))
+                         self._to(slots_t), all_rows=len(rows) == num_tokens)  # rows are distinct
 
     def _decode_group(self, entries, kind: CacheKind) -> DecodeGroup | None:
         if not entries:

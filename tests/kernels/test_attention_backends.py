@@ -353,3 +353,22 @@ def test_rays_processes_on_the_node_are_moved_off_the_engine_cpus():
         for p in (shell, child, skipped):
             p.kill()
         subprocess.run(["pkill", "-f", "ray::StandIn|ray::EngineReplica"], check=False)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
+def test_kv_rows_views_a_fused_projection_and_copies_otherwise(heads, kv_heads):
+    """The cache write's K|V rows: a view of the fused QKV output where V sits right after K (no copy),
+    the same values stacked where it does not (K rotated into a tensor of its own, rows picked)."""
+    from apt_serve_ray.attention.backend import kv_rows
+
+    t, d = 5, 8
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1)
+    k, v = k.view(t, kv_heads, d), v.view(t, kv_heads, d)
+    expected = torch.stack((k, v), dim=1).flatten(1)
+    rows = kv_rows(k, v)
+    assert torch.equal(rows, expected) and rows.data_ptr() == k.data_ptr()  # a view: no copy
+    rotated = k * 2
+    assert torch.equal(kv_rows(rotated, v), torch.stack((rotated, v), dim=1).flatten(1))
+    assert kv_rows(rotated, v).data_ptr() != rotated.data_ptr()
+    assert torch.equal(kv_rows(v, k), torch.stack((v, k), dim=1).flatten(1))  # V before K: not adjacent
