@@ -70,15 +70,17 @@ def sweep(workload: str, url: str, model: str, args) -> dict:
                       "output_lens": [r.output_len for r in base]}}
 
 
-def probe(url: str, model: str, args) -> dict:
-    """Single-stream latency (concurrency 1) and saturated throughput (everything at once)."""
+def probe(url: str, model: str, args, run=None) -> dict:
+    """Single-stream latency (concurrency 1) and saturated throughput (everything at once). ``run(trace,
+    client)``: how a trace is sent (default: over HTTP to ``url``) -> (timelines, duration)."""
     result = {"input_len": args.probe_input_len, "output_len": args.probe_output_len}
     for name, num, concurrency in (("single", args.probe_single, 1), ("saturated", args.probe_saturated, None)):
         trace = workloads.make_random_trace(num, math.inf, args.probe_input_len, args.probe_output_len, 0.1,
                                             seed=args.seed + 1, max_model_len=args.max_model_len)
         trace = workloads.fill_token_ids(trace, args.vocab_size, args.seed + 1)
         client = ClientOptions(timeout=args.timeout, max_concurrency=concurrency)
-        timelines, duration = asyncio.run(replay(trace, url, model, client, {}))
+        timelines, duration = (run(trace, client) if run is not None
+                               else asyncio.run(replay(trace, url, model, client, {})))
         s = slo_metrics.summarize(timelines, duration)
         result[name] = {k: s[k] for k in ("completed", "failed", "duration", "output_throughput", "mean_ttft_ms",
                                           "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
@@ -134,6 +136,46 @@ def start_spec(args) -> servers.ServerSpec:
                       default_tbt_slo_ms=args.tbt_slo_ms)
         return servers.ours(engine, model=ckpt, served_model_name=args.shape, extra=extra)
     return servers.named(args.start, engine, model=ckpt, served_model_name=args.shape, vllm_args=extra, kv_cache_gib=2)
+
+
+def engine_config(args):
+    """--start engine: the EngineConfig the Serve app would give its replica for --start ours."""
+    sys.path.insert(0, str(servers.REPO))
+    from deployments.app import AppArgs, policy_kwargs
+
+    engine = engine_kwargs(args)
+    engine.update(policy="apt", default_ttft_slo_ms=args.ttft_slo_ms, default_tbt_slo_ms=args.tbt_slo_ms)
+    app = AppArgs.model_validate({"model": random_checkpoint(args.shape, args.cache_dir), **engine})
+    config = app.engine_config()
+    return config.replace(policy_options=policy_kwargs(app, config) or None)
+
+
+def measure_engine(args, report: dict) -> None:
+    """--start engine: the probe against an AsyncLLMEngine in this process (its engine process), no Serve
+    app and no HTTP: the engine's own speed, beside the same probe through the server."""
+    from apt_serve_ray import AsyncLLMEngine
+    from apt_serve_ray.bench.engine_client import replay_engine
+
+    engine = AsyncLLMEngine(engine_config(args))
+    engine.start()
+    loop = asyncio.new_event_loop()
+    try:
+        def run(trace, client):
+            return loop.run_until_complete(replay_engine(trace, engine, client, {}))
+
+        header = stamp(threads=args.num_threads, dtype=args.dtype, model=args.shape, simulated=False,
+                       started_here="engine")
+        print(f"\n== {args.label} probe (in-process engine)", flush=True)
+        result = {**header, "url": None, "model": args.shape, "note": "AsyncLLMEngine in the client's process",
+                  "cpu": header["machine"]["cpu"], "native_bf16": header["machine"]["native_bf16"],
+                  "config": vars(args), "probe": probe("", args.shape, args, run), "workloads": {}}
+    finally:
+        engine.shutdown()
+        loop.close()
+    report["servers"][args.label] = result
+    if args.json:
+        write_json(args.json, report, stamp(threads=None, dtype=None, model=None, simulated=False))
+        print(f"\nwritten {args.json}")
 
 
 def measure(args, report: dict, base_url: str) -> None:
@@ -192,10 +234,11 @@ def main(argv=None) -> int:
     ap.add_argument("--probe-output-len", type=int, default=128)
     ap.add_argument("--probe-single", type=int, default=8, help="requests at concurrency 1")
     ap.add_argument("--probe-saturated", type=int, default=64, help="requests sent at once")
-    ap.add_argument("--start", choices=("ours", "vllm", "vllm-nopc"), default=None,
+    ap.add_argument("--start", choices=("ours", "vllm", "vllm-nopc", "engine"), default=None,
                     help="start this server here (on its own port), measure, stop it: the engine flags below and "
                          "--shape say what it serves; ours with watermarks at 1.0 (vLLM has no admission control, "
-                         "and a 503 would count as a miss) and the SLOs as its defaults (apt schedules by them)")
+                         "and a 503 would count as a miss) and the SLOs as its defaults (apt schedules by them); "
+                         "engine: ours's engine config in this process, no Serve app or HTTP (--probe-only)")
     ap.add_argument("--shape", default="opt-125m", help="--start: the random-weight checkpoint served")
     ap.add_argument("--server-args", default="", help="--start: extra server arguments, one string")
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp"), help="--start: the server's log")
@@ -212,8 +255,12 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"--workloads: unknown {sorted(unknown)}; valid: {sorted(DEFAULT_RATES)}")
 
+    if args.start == "engine" and not args.probe_only:
+        ap.error("--start engine: only the probe (--probe-only); the rate sweep's traces go through a server")
     report = json.loads(args.json.read_text()) if args.json and args.json.exists() else {"servers": {}}
-    if args.start is None:
+    if args.start == "engine":
+        measure_engine(args, report)
+    elif args.start is None:
         measure(args, report, args.base_url.rstrip("/"))
     else:
         spec = start_spec(args)

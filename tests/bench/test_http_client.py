@@ -182,3 +182,30 @@ def test_sessions_resend_their_history_and_closed_loop_keeps_the_limit(server):
         assert second == first + reply + s.messages[1]  # the history re-sent with the reply's own ids
     for s, turn, _, cached in records:  # what the server said it had cached: at least the first turn
         assert cached >= (len(s.prefix) + len(s.messages[0]) if turn == 1 else 0)
+
+
+def test_engine_replay_times_the_same_trace_in_process(opt_tiny):
+    """peer_sweep.py --start engine: the trace through an AsyncLLMEngine here gives the timelines the HTTP
+    client would (first token, a time per delta, output tokens, finish) and the same summary."""
+    import asyncio
+
+    from apt_serve_ray import AsyncLLMEngine
+    from apt_serve_ray.bench import slo_metrics, workloads
+    from apt_serve_ray.bench.engine_client import replay_engine
+    from apt_serve_ray.bench.http_client import ClientOptions
+    from apt_serve_ray.config import EngineConfig
+
+    trace = workloads.fill_token_ids(workloads.make_random_trace(3, float("inf"), 12, 5, 0.1, seed=1), 100, 1)
+    engine = AsyncLLMEngine(EngineConfig(model=opt_tiny, engine_process=False, dtype="float32", num_pages=64))
+    engine.start()
+    loop = asyncio.new_event_loop()
+    try:
+        timelines, duration = loop.run_until_complete(replay_engine(trace, engine, ClientOptions(max_concurrency=2), {}))
+    finally:
+        engine.shutdown()
+        loop.close()
+    assert [t.error for t in timelines] == [None, None, None]
+    for t, req in zip(timelines, trace):
+        assert t.num_output_tokens == req.output_len and t.first_token_s is not None
+        assert t.arrival_s <= t.first_token_s <= t.token_times_s[-1] <= t.finish_s <= duration
+    assert slo_metrics.summarize(timelines, duration)["completed"] == 3
