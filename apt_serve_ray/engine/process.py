@@ -129,7 +129,15 @@ def _engine_main(config, spec: EngineObservers | None, conn) -> None:
         engine = LLMEngine(config)
         recording = RecordingMetrics() if spec is not None and spec.metric_tags is not None else None
         tracker = attach_observers(engine, spec, recording)
-        if config.cpu_affinity:
+        from apt_serve_ray.worker.model_runner import resolve_device
+
+        if resolve_device(config.device).type == "cpu":
+            import torch
+
+            from apt_serve_ray.worker.cpu_affinity import bind_compute_threads
+
+            bind_compute_threads(torch.get_num_threads(), config.bind_threads, config.cpu_affinity)
+        elif config.cpu_affinity:
             from apt_serve_ray.worker.cpu_affinity import pin_current_thread
 
             pin_current_thread(config.cpu_affinity)

@@ -2,11 +2,11 @@
 
 The extension (``csrc/``: decode in ``cpu_attention.cpp``, ``cpu_hidden.cpp`` and ``cpu_kv_int8.cpp`` on
 the skeleton of ``flash_decode.h``, prefill in ``cpu_prefill.cpp``, SIMD in ``simd.h``, work shared out
-between threads by ``work_queue.h``) is compiled on first use with ``torch.utils.cpp_extension`` (g++ and
-ninja; ``scripts/setup.sh`` builds it ahead of time) for this CPU (``-march=native``): the build directory
-is keyed by the source, the torch version and the CPU's feature flags, so a machine with another CPU
-builds its own copy. ``load()`` raises ``RuntimeError`` saying what is missing when
-it cannot build; ``is_available()`` only answers.
+between threads by ``work_queue.h``, the threads bound to CPUs by ``cpu_threads.cpp``) is compiled on first
+use with ``torch.utils.cpp_extension`` (g++ and ninja; ``scripts/setup.sh`` builds it ahead of time) for this
+CPU (``-march=native``): the build directory is keyed by the source, the torch version and the CPU's feature
+flags, so a machine with another CPU builds its own copy. ``load()`` raises ``RuntimeError`` saying what is
+missing when it cannot build; ``is_available()`` only answers.
 
 Layouts the wrappers assert (B requests, H query heads, KVH kv heads, D head dim)::
 
@@ -53,7 +53,7 @@ logger = logging.getLogger("apt_serve_ray")
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("cpu_attention.cpp", "cpu_hidden.cpp", "cpu_prefill.cpp", "cpu_kv_int8.cpp",
-                                       "cpu_woq.cpp")]
+                                       "cpu_woq.cpp", "cpu_threads.cpp")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-std=c++17"]
 
 
@@ -212,6 +212,13 @@ def hidden_int8_decode_projected(q, hidden, hidden_scale, block_table, ctx_lens,
     load()
     return torch.ops.apt_serve.hidden_int8_projected(q, hidden, hidden_scale, block_table, ctx_lens, w_kv_t, b_kv,
                                                      cos, sin, int(num_kv_heads), float(scale), int(part_tokens))
+
+
+def bind_threads(cpus) -> list[int]:
+    """Bind ATen's intra-op threads one to a CPU each: thread i (the caller is thread 0) to ``cpus[i % len]``
+    (``csrc/cpu_threads.cpp``); their native ids in that order (-1: not bound). Linux only."""
+    load()
+    return list(torch.ops.apt_serve.bind_threads([int(c) for c in cpus]))
 
 
 def prefill_supported(head_dim: int, dtype: torch.dtype) -> bool:
