@@ -303,37 +303,39 @@ def engine_speed(b: Bench) -> Row:
 
 
 def engine_speed_bf16(b: Bench) -> Row:
-    rel = "engine_speed/probe_bf16_epyc.json"
-    d = b(rel)
+    rel, brel = "engine_speed/probe_pass2.json", "engine_speed/bind_threads_probe.json"
+    d, bd = b(rel), b(brel)
     s = {label: v["probe"] for label, v in d["servers"].items()}
-    # Side by side (one after the other, minutes apart): ours at the current kernels, vLLM again.
-    ours, peer = s["ours-2t-pv"], s["vllm-2t-b"]
-    before, anon, one = s["ours-2t"], s["ours-2t-anon"], s["ours-1t-anon"]
+    bound = [v["probe"] for k, v in bd["servers"].items() if k.startswith("ours-bf16-2t-bound")]
+    peer = [s[f"vllm-bf16-2t-{r}"] for r in "abc"]
 
-    def sat(p: dict) -> float:
-        return p["saturated"]["output_throughput"]
+    def mean(ps: list[dict], part: str, key: str) -> float:
+        return sum(p[part][key] for p in ps) / len(ps)
 
-    def ttft(p: dict) -> float:
-        return p["single"]["median_ttft_ms"]
+    def trio(ps: list[dict]) -> tuple[float, float, float]:
+        return (mean(ps, "single", "median_ttft_ms"), mean(ps, "single", "median_tpot_ms"),
+                mean(ps, "saturated", "output_throughput"))
 
-    figure = (f"two threads, against vLLM's: TPOT at concurrency 1 **{ratio(ours['single']['median_tpot_ms'], peer['single']['median_tpot_ms'])}** "
-              f"({num(ours['single']['median_tpot_ms'])} vs {num(peer['single']['median_tpot_ms'])} ms); TTFT "
-              f"{num(ttft(anon))} -> **{num(ttft(ours))} ms** with the bf16 prefill kernel's packed values; saturated output "
-              f"{num(sat(before))} -> {num(sat(anon))} tok/s once the tier below memory moved to anonymous memory "
-              f"(evicted prefixes demoted to a file-backed mapping had cost 2.2 ms a page), {num(sat(ours))} in the last run.")
-    lose = (f"TTFT {ratio(ttft(ours), ttft(peer))} vLLM's ({num(ttft(ours))} vs {num(ttft(peer))} ms), saturated "
-            f"{ratio(sat(ours), sat(peer))} ({num(sat(ours))} vs {num(sat(peer))} tok/s); our second thread adds "
-            f"{100 * (sat(anon) / sat(one) - 1):+.0f}% through Serve (docs: +59% in-process: the Serve path's processes "
-            "stall the engine's OpenMP threads)")
-    used = [d["servers"][k] for k in ("ours-2t-pv", "vllm-2t-b", "ours-2t-anon", "ours-2t", "ours-1t-anon")]
+    ours2, vllm2, eng2 = trio(bound), trio(peer), trio([s["engine-bfloat16-2t"]])
+    ours1, vllm1 = trio([s["ours-bf16-1t"]]), trio([s["vllm-bf16-1t"]])
+    figure = (f"the engine alone (the same probe in-process, two threads): TTFT **{ratio(eng2[0], vllm2[0])}**, "
+              f"TPOT **{ratio(eng2[1], vllm2[1])}**, saturated **{ratio(eng2[2], vllm2[2])}** vLLM's whole server "
+              f"({num(eng2[0])} ms, {num(eng2[1])} ms, {num(eng2[2])} tok/s); one thread through Serve: TTFT "
+              f"{ratio(ours1[0], vllm1[0])}, TPOT {ratio(ours1[1], vllm1[1])}, saturated **{ratio(ours1[2], vllm1[2])}**.")
+    lose = (f"two threads through Serve (compute threads bound, mean of two runs, against vLLM's three): TTFT "
+            f"{ratio(ours2[0], vllm2[0])} ({num(ours2[0])} vs {num(vllm2[0])} ms), TPOT {ratio(ours2[1], vllm2[1])}, "
+            f"saturated {ratio(ours2[2], vllm2[2])} ({num(ours2[2])} vs {num(vllm2[2])} tok/s): the Serve app's "
+            "processes share the two cores with the engine (docs: 0.4 of a core at saturation, Ray's actors wake "
+            "every 10 ms)")
+    used = [*d["servers"].values(), *bd["servers"].values()]
     on = measured_on(machine(d["machine"]), "real engines", docs("random weights"), DTYPES["bfloat16"],
                      "1 and 2 threads (the labels)", days(v["date"] for v in used))
-    return Row("engine speed in bf16 through HTTP against vLLM CPU 0.32 with its defaults (prefix caching on), OPT-125m "
-               "shape, 6,048 KV tokens and a 512-token budget each: TTFT and TPOT of one stream (384 -> 128 tokens), "
+    return Row("engine speed in bf16 against vLLM CPU 0.32 with its defaults (prefix caching on), OPT-125m shape, "
+               "6,048 KV tokens and a 512-token budget each: TTFT and TPOT of one stream (384 -> 128 tokens), "
                "output tok/s with 64 sent at once", figure, lose, on,
-               f"`benchmarks/peer_sweep.py --start ours --probe-only --dtype bfloat16 --threads 2` (and `--start vllm`) (issue 41; "
-               f"{jpath(rel)}, labels `ours-2t` before and `ours-2t-anon` after the tier change, `ours-2t-pv` and "
-               "`vllm-2t-b` side by side after the prefill kernel's)")
+               f"`benchmarks/peer_sweep.py --start ours --probe-only --dtype bfloat16 --threads 2` (and `--start vllm`, `--start engine`) "
+               f"(issue 41; {jpath(rel, brel)}, labels `vllm-bf16-2t-{{a,b,c}}`, `engine-bfloat16-2t`, "
+               "`*-bf16-1t`, `ours-bf16-2t-bound-*`)")
 
 
 def prefix_reuse(b: Bench) -> Row:

@@ -82,6 +82,8 @@ def test_a_changed_number_in_the_json_fails_the_check(tmp_path, capsys):
     ("burst/scheduler_overhead_fewest.json", lambda d: d["results"][0].update(full_decision_ms=1.2),
      lambda d: f"**{rf.num(d['results'][0]['full_decision_ms'])} ms**"),
     ("architectures.json", lambda d: d["rows"][-1].update(over_llama=3.1), "2.57-2.87x"),
+    ("engine_speed/probe_pass2.json",
+     lambda d: d["servers"]["engine-bfloat16-2t"]["probe"]["saturated"].update(output_throughput=300.0), "436 tok/s"),
 ])
 def test_other_rows_follow_their_json(tmp_path, rel, edit, gone):
     bench_dir, _ = _copy_used_json(tmp_path)
