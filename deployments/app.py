@@ -15,7 +15,7 @@ import typing
 from typing import Annotated, Any, Literal, Optional
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, NonNegativeFloat, PositiveFloat, PositiveInt,
-                      SecretStr, create_model, model_validator)
+                      SecretStr, create_model, field_validator, model_validator)
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
@@ -76,6 +76,9 @@ class _AppArgs(BaseModel):
     # With num_threads set: each engine replica's compute thread(s) get CPUs of their own on its node,
     # and the Serve processes and threads of the app are kept off them (apt_serve_ray/worker/cpu_affinity.py).
     pin_cpus: bool = True
+    # "module:callable" building each engine replica's engine client (deployments.engine_replica.make_engine_client;
+    # e.g. a fake engine in tests); None: AsyncLLMEngine, the engine in a process of the replica's own.
+    engine_client: Optional[str] = None
     # Engine: every EngineConfig field is an argument too (None: EngineConfig's default), among them
     # the watermarks the controller applies cluster-wide (light_watermark, heavy_watermark,
     # max_hidden_ratio, hidden_ratio_step). policy_weights: the policy's keyword arguments.
@@ -136,6 +139,14 @@ class _AppArgs(BaseModel):
     # and the largest request body (413 above it).
     api_keys: Optional[list[SecretStr]] = None
     max_request_body_bytes: PositiveInt = MAX_REQUEST_BODY_BYTES
+
+    @field_validator("engine_client")
+    @classmethod
+    def _check_engine_client(cls, value):
+        module, _, name = (value or "x:x").partition(":")
+        if not module or not name:
+            raise ValueError(f"engine_client: expected 'module:callable', got {value!r}")
+        return value
 
     @model_validator(mode="after")
     def _check_service_classes(self):
@@ -235,7 +246,7 @@ def build_app(args: AppArgs | dict) -> Application:
     ).bind(engine_config, controller, ReplicaOptions(
         model_name=name, report_interval_s=args.control_interval_s, pin_cpus=pin,
         stream_interval_s=args.stream_interval_s, stream_items_per_s=args.stream_items_per_s or None,
-        tracing_exporter=args.tracing_exporter, mirror_metrics=args.mirror_metrics))
+        tracing_exporter=args.tracing_exporter, mirror_metrics=args.mirror_metrics, engine_client=args.engine_client))
     max_in_flight = (args.max_in_flight_per_replica or config.max_num_seqs) * args.num_replicas
     router_options = RouterOptions(
         model=args.model, served_model_name=args.served_model_name, tokenizer=args.tokenizer,

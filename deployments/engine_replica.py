@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import importlib
 import io
 import logging
 import time
@@ -62,6 +63,22 @@ def replica_seed(base: int, replica_id: str) -> int:
     return int.from_bytes(digest, "little")
 
 
+def make_engine_client(path: str | None, config: EngineConfig, **kwargs):
+    """The replica's engine client: ``AsyncLLMEngine(config, **kwargs)``, or with ``path`` ("module:callable")
+    what that callable returns for the same arguments. Raises ValueError naming ``engine_client`` when the
+    path is malformed or does not import."""
+    if path is None:
+        return AsyncLLMEngine(config, **kwargs)
+    module, _, name = path.partition(":")
+    if not module or not name:
+        raise ValueError(f"engine_client: expected 'module:callable', got {path!r}")
+    try:
+        factory = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"engine_client: cannot import {path!r}: {exc}") from exc
+    return factory(config, **kwargs)
+
+
 class ReplicaOptions(BaseModel):
     """An engine replica's settings besides its ``EngineConfig``, validated once (``app.py`` builds them
     from the app's arguments, where their defaults are; the replica has none of its own).
@@ -74,7 +91,10 @@ class ReplicaOptions(BaseModel):
     ``stream_items_per_s``: the items per second this replica sends over all its streams, once
     ``stream_interval_s`` would send more: with n streams each waits ``n / stream_items_per_s`` (still at
     most a quarter of its TBT target); None: no such bound. ``model_name``, ``tracing_exporter``,
-    ``mirror_metrics``: the metric tag, where spans go, whether metric values are kept in memory too."""
+    ``mirror_metrics``: the metric tag, where spans go, whether metric values are kept in memory too.
+    ``engine_client``: "module:callable" that builds the replica's engine client from the engine config,
+    ``observers=`` and ``metrics_backend=``, an object with ``AsyncLLMEngine``'s interface (a fake in
+    tests, an engine elsewhere); None: ``AsyncLLMEngine`` (``make_engine_client``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
@@ -85,6 +105,7 @@ class ReplicaOptions(BaseModel):
     stream_items_per_s: Optional[PositiveFloat]
     tracing_exporter: Literal["none", "console", "otlp", "memory"]
     mirror_metrics: bool
+    engine_client: Optional[str]
 
 
 @serve.deployment(max_ongoing_requests=256, health_check_period_s=5.0)
@@ -113,7 +134,8 @@ class EngineReplica:
             metric_tags={"model": options.model_name, "replica": self.replica_id},
             tracing_exporter=options.tracing_exporter, tracker=True, tracker_min_interval_s=0.1,
             tracker_max_samples=36_000)
-        self.engine = AsyncLLMEngine(engine_config, observers=observers, metrics_backend=self._metrics)
+        self.engine = make_engine_client(options.engine_client, engine_config, observers=observers,
+                                         metrics_backend=self._metrics)
         self.actor_name = ray.get_runtime_context().get_actor_name()
         self.model = engine_config.model
         self._default_tbt_slo_ms = engine_config.default_tbt_slo_ms

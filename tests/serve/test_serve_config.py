@@ -167,3 +167,29 @@ def test_a_dict_argument_also_comes_as_json_from_serve_run():
     assert args.policy_options == {"admission_share": None, "tbt_headroom": 0.7}
     with pytest.raises(ValidationError, match="policy_options"):
         AppArgs.model_validate({"policy_options": "{admission_share"})
+
+
+def test_the_replica_takes_its_engine_client_injected(tmp_path, monkeypatch, opt_tiny):
+    """engine_client "module:callable" builds the replica's client (a fake here); None builds the engine;
+    a malformed or missing path fails naming the field, in the app's arguments or in the replica."""
+    from apt_serve_ray import AsyncLLMEngine, EngineConfig
+    from deployments.app import AppArgs
+    from deployments.engine_replica import make_engine_client
+
+    (tmp_path / "fake_engine_client.py").write_text(
+        "class Fake:\n"
+        "    def __init__(self, config, **kwargs):\n"
+        "        self.config, self.kwargs = config, kwargs\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = EngineConfig(model=opt_tiny, engine_process=False, dtype="float32", num_pages=16)
+    fake = make_engine_client("fake_engine_client:Fake", config, observers=None, metrics_backend="m")
+    assert type(fake).__name__ == "Fake" and fake.config is config and fake.kwargs == {"observers": None,
+                                                                                        "metrics_backend": "m"}
+    assert isinstance(make_engine_client(None, config), AsyncLLMEngine)
+    with pytest.raises(ValueError, match="engine_client"):
+        make_engine_client("no_colon", config)
+    with pytest.raises(ValueError, match="engine_client"):
+        make_engine_client("fake_engine_client:Missing", config)
+    with pytest.raises(ValueError, match="engine_client"):
+        AppArgs(engine_client="no_colon")
+    assert AppArgs(engine_client="fake_engine_client:Fake").engine_client == "fake_engine_client:Fake"
