@@ -77,7 +77,8 @@ def probe(url: str, model: str, args, run=None) -> dict:
     for name, num, concurrency in (("single", args.probe_single, 1), ("saturated", args.probe_saturated, None)):
         trace = workloads.make_random_trace(num, math.inf, args.probe_input_len, args.probe_output_len, 0.1,
                                             seed=args.seed + 1, max_model_len=args.max_model_len)
-        trace = workloads.fill_token_ids(trace, args.vocab_size, args.seed + 1)
+        # Each phase its own prompts: the saturated one had repeated the single one's eight (prefix-cache hits).
+        trace = workloads.fresh_ids(trace, args.vocab_size, args.seed + 1, 0.0, run=f"probe-{name}")
         client = ClientOptions(timeout=args.timeout, max_concurrency=concurrency)
         timelines, duration = (run(trace, client) if run is not None
                                else asyncio.run(replay(trace, url, model, client, {})))

@@ -498,13 +498,18 @@ FOOTNOTES = [
     "figures, percentages to one decimal; \"docs\" marks a field the JSON lacks, taken from that run's section of "
     "docs/benchmarks.md). Left out, no JSON behind them (docs/benchmarks.md has them): the decision's 9.6 ms before "
     "issue 44 and its first pair of runs (1.37 / 1.05 ms), the engine's 73.8 tok/s in process, the penalties' 715 us "
-    "before `TokenCounts`, vLLM's bf16 step ~1.35x faster than ours (issue 41).",
+    "before `TokenCounts`, vLLM's bf16 step ~1.35x faster than ours (issue 41, superseded: our engine alone is now "
+    "level with vLLM's whole server, the bf16 engine-speed row).",
     "Stale in two respects: the traffic-that-repeats-itself row ran with the tier below memory on a file-backed "
     "mapping, where demoting an evicted prefix page cost 2.2 ms; since 48ef6a3 it is anonymous memory (0.18 ms a page), faulted in ahead of use since c0de087. The "
     "float32 bursts row ran at c0de087, before 7f6ec87 changed `apt`'s reservation and write-off, and was not "
     "re-run (the bf16 row was, at f80ff03). Six seeds at CV 3 with 30% documents against vLLM, the tier on and off "
     "and the bf16 grid are in docs/benchmarks.md (\"Bursts: a chunk each in turn\", \"Bursts with the tier below "
-    "memory on and off\", \"Bursts across the grid\").",
+    "memory on and off\", \"Bursts across the grid\"). Every row that runs the engine but the bf16 engine-speed "
+    "row ran before c4665fc (prefill attention 0.51-0.70x the time a layer, a prefill step 0.76-0.93x) and ebb1db7 "
+    "(compute threads bound to cores) and was not re-run; the engine-speed rows' probe repeated its eight "
+    "single-stream prompts among the 64 saturated ones (prefix-cache hits for every server alike) until the commit "
+    "after 61ca2f0.",
 ]
 
 
