@@ -167,12 +167,22 @@ def measure_engine(args, report: dict) -> None:
         header = stamp(threads=args.num_threads, dtype=args.dtype, model=args.shape, simulated=False,
                        started_here="engine")
         print(f"\n== {args.label} probe (in-process engine)", flush=True)
-        result = {**header, "url": None, "model": args.shape, "note": "AsyncLLMEngine in the client's process",
-                  "cpu": header["machine"]["cpu"], "native_bf16": header["machine"]["native_bf16"],
-                  "config": vars(args), "probe": probe("", args.shape, args, run), "workloads": {}}
+        result = entry(header, args, None, args.shape, "AsyncLLMEngine in the client's process",
+                       probe("", args.shape, args, run))
     finally:
         engine.shutdown()
         loop.close()
+    keep(args, report, result)
+
+
+def entry(header: dict, args, url, model: str, note: str, probed) -> dict:
+    """One label's entry in the report: the run's stamp, what was measured where, its probe."""
+    return {**header, "url": url, "model": model, "note": note, "cpu": header["machine"]["cpu"],
+            "native_bf16": header["machine"]["native_bf16"], "config": vars(args), "probe": probed, "workloads": {}}
+
+
+def keep(args, report: dict, result: dict) -> None:
+    """``result`` as this label's entry, the report written to --json."""
     report["servers"][args.label] = result
     if args.json:
         write_json(args.json, report, stamp(threads=None, dtype=None, model=None, simulated=False))
@@ -191,19 +201,15 @@ def measure(args, report: dict, base_url: str) -> None:
     # The client runs on the servers' machine here (base URL 127.0.0.1): its CPU is theirs.
     header = stamp(threads=args.num_threads if args.start else None, dtype=args.dtype if args.start else None,
                    model=model, simulated=False, started_here=args.start)
-    result = {**header, "url": base_url, "model": model, "note": f"started here: {args.start}" if args.start else "",
-              "cpu": header["machine"]["cpu"], "native_bf16": header["machine"]["native_bf16"],
-              "config": vars(args), "probe": previous.get("probe"), "workloads": {}}
+    result = entry(header, args, base_url, model, f"started here: {args.start}" if args.start else "",
+                   previous.get("probe"))
     if args.probe or args.probe_only:
         print(f"\n== {args.label} probe", flush=True)
         result["probe"] = probe(url, model, args)
     if not args.probe_only:
         result["workloads"] = {w: sweep(w, url, model, args) for w in args.workloads}
     result["workloads"] = {**previous.get("workloads", {}), **result["workloads"]}  # workloads run one at a time
-    report["servers"][args.label] = result
-    if args.json:
-        write_json(args.json, report, stamp(threads=None, dtype=None, model=None, simulated=False))
-        print(f"\nwritten {args.json}")
+    keep(args, report, result)
 
 
 def main(argv=None) -> int:
