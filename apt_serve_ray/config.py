@@ -42,10 +42,10 @@ class EngineConfig:
     # activations). None: the checkpoint's weights at ``dtype``. Less memory and a faster single stream,
     # slower batches and prefill.
     quantization: str | None = None
-    # LoRA adapters (PEFT folders on this machine; vLLM's names): ``lora_modules`` "name=path" each, loaded
-    # at start; a request names one as its ``model``. ``max_loras``: adapters held at once, each in a slot of
+    # LoRA adapters (PEFT folders on this machine; vLLM's names): ``lora_modules`` "name=path" each, read
+    # at start; a request names one as its ``model``. ``max_loras``: adapters in slots at once, each a slot of
     # ``max_lora_rank``, all of which may share a step (None: as many as ``lora_modules``, 0 with none: LoRA
-    # off). With LoRA on, the hidden cache kinds are off: they project stored x to K/V with the base weights,
+    # off); more lora_modules than slots load on demand, into the least recently used slot no request holds. With LoRA on, the hidden cache kinds are off: they project stored x to K/V with the base weights,
     # which would drop an adapter's k/v update.
     lora_modules: tuple[str, ...] = ()
     max_loras: int | None = None
@@ -207,8 +207,8 @@ class EngineConfig:
             object.__setattr__(self, "max_loras", len(modules))
         if isinstance(self.max_loras, bool) or not isinstance(self.max_loras, int) or self.max_loras < 0:
             raise ValueError(f"max_loras: must be an integer >= 0, got {self.max_loras!r}")
-        if self.max_loras < len(modules):
-            raise ValueError(f"max_loras: {self.max_loras} slots cannot hold the {len(modules)} lora_modules")
+        if modules and not self.max_loras:
+            raise ValueError(f"max_loras: 0 turns LoRA off, but {len(modules)} lora_modules are given")
         _positive_int("max_lora_rank", self.max_lora_rank)
         if self.max_loras and self.force_hidden:
             raise ValueError("force_hidden: the hidden kinds are off with LoRA adapters (max_loras > 0)")

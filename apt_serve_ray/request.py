@@ -64,6 +64,7 @@ class Request:
         # salt share cached pages with it (a tenant's isolation; None: shared with every unsalted one).
         self.cache_salt = cache_salt
         self.lora = None  # the LoRA adapter it runs with (``lora.manager.LoRARef``), None: the base model
+        self.lora_name: str | None = None  # the adapter it names (its slot, ``lora``, is taken when it is added)
         max_new = max_total_tokens - len(self.prompt_token_ids)
         if sampling_params.max_tokens is not None:
             max_new = min(max_new, sampling_params.max_tokens)

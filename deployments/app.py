@@ -106,6 +106,10 @@ class _AppArgs(BaseModel):
     # default, as in vLLM. Replicas load such an adapter on their first request for it (``max_loras`` slots, the
     # least recently used run-time adapter making room).
     allow_runtime_lora_updating: bool = False
+    # A request that names a LoRA adapter goes to a replica holding it in a slot, else to one with a slot to
+    # spare (deployments/request_router.py; Ray Serve's model multiplexing does the same by model id). Off:
+    # adapters are not looked at (every replica loads what its requests name, slots permitting).
+    adapter_affinity: bool = True
     # With predictive_control the controller forecasts arrivals (apt_serve_ray/scheduler/predictor.py) from what the
     # routers receive and acts forecast_horizon_s ahead: ratios rise, and the routers let only
     # predictive_admission_share of their in-flight slots through, before a forecast peak crosses the
@@ -240,7 +244,8 @@ def build_app(args: AppArgs | dict) -> Application:
         request_router_config=RequestRouterConfig(
             request_router_class=FitAwareRequestRouter,
             request_router_kwargs={"output_horizon_tokens": args.output_horizon_tokens,
-                                   "default_tokens_per_page": config.block_size},
+                                   "default_tokens_per_page": config.block_size,
+                                   "adapter_affinity": args.adapter_affinity},
             request_routing_stats_period_s=args.routing_stats_period_s,
             request_routing_stats_timeout_s=max(args.routing_stats_period_s, 5.0)),
     ).bind(engine_config, controller, ReplicaOptions(

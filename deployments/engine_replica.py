@@ -160,7 +160,7 @@ class EngineReplica:
         self._applied_ratio: float | None = None
         self._is_pressured = False  # the controller's last word, passed on to the request router
         self._controller = controller
-        self._runtime_loras: collections.OrderedDict[str, str] = collections.OrderedDict()  # least recent first
+        self._runtime_loras: dict[str, str] = {}  # adapters registered here at run time: {name: path}
         self._lora_lock = asyncio.Lock()
         self._report_interval_s = options.report_interval_s
         self._reporter = asyncio.create_task(self._report_loop()) if controller is not None else None
@@ -280,7 +280,8 @@ class EngineReplica:
             num_requests=self.num_requests, num_aborted=self.num_aborted,
             pages_by_kind=dict(pages), compressed_kinds=tuple(cache.compressed_kinds),
             is_pressured=self._is_pressured, max_running_priority=cache.max_running_priority,
-            received=self._received_ids())
+            received=self._received_ids(), loras=tuple(cache.loras[0]), busy_loras=tuple(cache.loras[1]),
+            max_loras=self.engine.config.max_loras or 0)
 
     def _received_ids(self) -> tuple[str, ...]:
         self._forget_received()
@@ -312,24 +313,19 @@ class EngineReplica:
 
     # LoRA adapters loaded at run time ----------------------------------------------------------------
     async def _hold_lora(self, name: str, path: str) -> str | None:
-        """Load the run-time adapter ``name`` here if this replica does not hold it yet (least recently
-        used ones make room); None, or why it cannot be."""
+        """Register the run-time adapter ``name`` with the engine if this replica has not yet (the engine
+        loads it into a slot, the least recently used idle one making room, or holds the request until
+        one is free); None, or why it cannot be."""
         async with self._lora_lock:
             if name in self._runtime_loras:
-                self._runtime_loras.move_to_end(name)
                 return None
-            while True:
-                try:
-                    await self.engine.add_lora(name, path)
-                    self._runtime_loras[name] = path
-                    return None
-                except ValueError as exc:
-                    if "already loaded" in str(exc):  # loaded at start (lora_modules)
-                        return None
-                    if not str(exc).startswith("max_loras:") or not self._runtime_loras:
-                        return str(exc)
-                    oldest, _ = self._runtime_loras.popitem(last=False)
-                    await self.engine.remove_lora(oldest)
+            try:
+                await self.engine.add_lora(name, path)
+            except ValueError as exc:
+                if "already loaded" not in str(exc):  # else: loaded at start (lora_modules)
+                    return str(exc)
+            self._runtime_loras[name] = path
+            return None
 
     async def _drop_loras(self, keep: dict[str, str]) -> None:
         """Unload the run-time adapters the controller no longer lists (or lists at another path)."""

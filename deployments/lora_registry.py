@@ -9,7 +9,7 @@ from deployments import openai_protocol as oai
 
 class AdapterRegistry:
     def __init__(self, lora_modules: dict[str, str], served_model_name: str) -> None:
-        self.static = dict(lora_modules)  # {name: folder}, loaded by every replica at start
+        self.static = dict(lora_modules)  # {name: folder}, registered by every replica at start (max_loras in slots)
         self.runtime: dict[str, str] = {}  # {name: folder}, as the controller lists them
         self.served_model_name = served_model_name
 
@@ -18,7 +18,7 @@ class AdapterRegistry:
         return {**self.static, **self.runtime}
 
     def for_requests(self) -> dict[str, str | None]:
-        """{name: the folder a replica loads it from on its first request for it; None: loaded at start}."""
+        """{name: the folder a replica loads it from on its first request for it; None: registered at start}."""
         return {**dict.fromkeys(self.static), **self.runtime}
 
     def model_cards(self, created: int, max_model_len: int) -> list[dict]:

@@ -26,9 +26,9 @@ class PrefixIndex:
         self._blocks: dict[Hashable, OrderedDict[int, None]] = {}
         self._sessions: OrderedDict[str, Hashable] = OrderedDict()
 
-    def block_hashes(self, tokens: list[int], salt: str | None = None) -> list[int]:
+    def block_hashes(self, tokens: list[int], salt: Hashable | None = None) -> list[int]:
         """Names of the full pages of ``tokens``: each hashes its parent's name and its tokens (the
-        first, the request's ``cache_salt`` too, as the engine's names do)."""
+        first, the request's ``cache_salt`` and adapter too, as the engine's names do)."""
         size, out, parent = self.block_tokens, [], (0 if salt is None else hash(salt))
         for start in range(0, len(tokens) - size + 1, size):
             parent = hash((parent, tuple(tokens[start:start + size])))
@@ -87,7 +87,7 @@ def process_index(block_tokens: int = 16) -> PrefixIndex:
 
 
 def fits_beside_cached_prefix(index: PrefixIndex | None, reports, prompt: list[int], num_pages: int,
-                              salt: str | None = None) -> bool:
+                              salt: Hashable | None = None) -> bool:
     """Whether a replica probably holds this prompt's leading pages and has free pages for the rest
     of the request (``num_pages`` with its whole prompt): then admitting it costs only those, however
     full the cluster is. ``reports``: the replicas' ``LoadReport``s (their ``replica_id`` is the

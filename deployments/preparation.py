@@ -72,7 +72,7 @@ class RequestPreparer:
         ``default_ttft_slo_ms``: the admission deadline of a request whose class sets no TTFT target."""
         self.served_model_name = served_model_name
         # LoRA adapters a request's ``model`` may name: {name: path to load it from where a replica does not
-        # hold it (those loaded at run time), or None (loaded by every replica at start)}
+        # hold it (those loaded at run time), or None (registered by every replica at start)}
         self.adapters = dict(adapters) if isinstance(adapters, dict) else dict.fromkeys(adapters)
         self.tokenizer = tokenizer
         self.sampling_defaults = dict(sampling_defaults)

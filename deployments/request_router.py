@@ -34,6 +34,15 @@ holding the longest prefix of its prompt (at least ``MIN_MATCH_SHARE`` of its pa
 is in the first group above (fits, not pressured) and its load after placement is within
 ``affinity_slack`` of the least loaded one's: reuse wins over balance only while balance costs little
 (Ray Serve LLM's prefix-aware router applies the same rule with queue lengths).
+
+LoRA adapters (``adapter_affinity``, on by default; Ray Serve's model multiplexing does the same by model
+id): a replica holds an adapter in one of its ``max_loras`` slots (``LoadReport.loras``, or a request of
+that adapter was routed there since its snapshot). A request that names an adapter, when no prefix or
+session pulls it, goes to the least loaded replica of the first group that holds its adapter, else to one
+with a free slot, else to one with a slot no request holds (the engine loads the adapter there, in the
+least recently used such slot), each within ``affinity_slack`` of the least loaded; and never to a
+replica whose every slot requests hold (there it would wait for one to end) while another has room.
+Adapters' prompts are named apart in the prefix index (``EngineRequest.prefix_salt``).
 """
 
 from __future__ import annotations
@@ -52,6 +61,7 @@ IN_TRANSIT_S = 0.05  # a request routed this long before a snapshot may not have
 OUTPUT_HORIZON_TOKENS = 256  # default: output tokens a request is assumed to reach (max_tokens caps it)
 AFFINITY_SLACK = 0.25  # load after placement a replica holding the prefix may exceed the least loaded's by
 MIN_MATCH_SHARE = 0.1  # of a prompt's pages: a shorter match does not pull a request off the least loaded
+HOLDS, FREE_SLOT, IDLE_SLOT, MUST_WAIT = range(4)  # a replica, for a request's LoRA adapter (adapter_state)
 
 
 def request_pages(request: EngineRequest, tokens_per_page: int, horizon: int) -> int:
@@ -62,10 +72,13 @@ def request_pages(request: EngineRequest, tokens_per_page: int, horizon: int) ->
 
 class FitAwareRequestRouter(RequestRouter):
     def initialize_state(self, output_horizon_tokens: int = OUTPUT_HORIZON_TOKENS,
-                         default_tokens_per_page: int = 16, affinity_slack: float = AFFINITY_SLACK) -> None:
+                         default_tokens_per_page: int = 16, affinity_slack: float = AFFINITY_SLACK,
+                         adapter_affinity: bool = True) -> None:
         self.horizon = output_horizon_tokens
         self.default_tokens_per_page = default_tokens_per_page
         self.affinity_slack = affinity_slack
+        self.adapter_affinity = adapter_affinity
+        self.adapter_routes: dict[ReplicaID, dict[str, float]] = {}  # replica -> {adapter: when routed there}
         self.routed: dict[ReplicaID, dict[str, tuple[float, int]]] = {}  # replica -> {request: (at, pages)}
         self.prefixes = process_index(default_tokens_per_page)  # the router's admission reads it too
 
@@ -80,11 +93,13 @@ class FitAwareRequestRouter(RequestRouter):
             pending_request.routing_context.should_backoff = True  # no busy loop when every queue is full
         if request is None or not candidate_replicas:
             return [candidate_replicas]
-        hashes = self.prefixes.block_hashes(request.prompt, request.cache_salt)
+        hashes = self.prefixes.block_hashes(request.prompt, request.prefix_salt)
         matched = {r.replica_id: self.prefixes.match(r.replica_id, hashes) for r in candidate_replicas}
         keys = {r.replica_id: self.rank_key(r, request, matched[r.replica_id]) for r in candidate_replicas}
         ranked = sorted(candidate_replicas, key=lambda r: keys[r.replica_id])
         pick = self._affinity(ranked, keys, matched, len(hashes), request.session_id)
+        if pick is None and request.lora_name is not None and self.adapter_affinity:
+            pick = self._adapter_pick(ranked, keys, request.lora_name)
         if pick is not None:
             ranked.remove(pick)
             ranked.insert(0, pick)
@@ -108,6 +123,32 @@ class FitAwareRequestRouter(RequestRouter):
             if key[0] == best[0] and key[1] <= best[1] + self.affinity_slack:
                 return r
         return None
+
+    def _adapter_pick(self, ranked: list[RunningReplica], keys: dict, name: str) -> RunningReplica | None:
+        """The replica for a request of adapter ``name`` (see above), or None for the usual first choice."""
+        best = keys[ranked[0].replica_id]
+        group = [r for r in ranked if keys[r.replica_id][0] == best[0]]
+        states = {r.replica_id: self.adapter_state(r, name) for r in group}
+        for state in (HOLDS, FREE_SLOT, IDLE_SLOT):
+            for r in group:
+                if states[r.replica_id] == state and keys[r.replica_id][1] <= best[1] + self.affinity_slack:
+                    return r
+        if states[ranked[0].replica_id] == MUST_WAIT:
+            return min(group, key=lambda r: states[r.replica_id])  # ranked order breaks ties: least loaded
+        return None
+
+    def adapter_state(self, replica: RunningReplica, name: str) -> int:
+        """HOLDS, FREE_SLOT, IDLE_SLOT or MUST_WAIT: what a request of adapter ``name`` finds there."""
+        stats = _load_report(replica)
+        if stats is None:
+            return FREE_SLOT  # no snapshot yet
+        since = {n for n, t in self.adapter_routes.get(replica.replica_id, {}).items() if t > stats.time - IN_TRANSIT_S}
+        held = set(stats.loras) | since
+        if name in held:
+            return HOLDS
+        if len(held) < stats.max_loras:
+            return FREE_SLOT
+        return IDLE_SLOT if set(stats.loras) - set(stats.busy_loras) - since else MUST_WAIT
 
     def rank_key(self, replica: RunningReplica, request: EngineRequest, cached_pages: int = 0) -> tuple:
         """``cached_pages``: pages of its prompt the replica probably holds already (no free page needed)."""
@@ -149,6 +190,8 @@ class FitAwareRequestRouter(RequestRouter):
             tokens_per_page = stats.tokens_per_kv_page if stats is not None else self.default_tokens_per_page
             entry = (time.time(), request_pages(request, tokens_per_page, self.horizon))
         self.routed.setdefault(replica_id, {})[key] = entry
+        if request.lora_name is not None:
+            self.adapter_routes.setdefault(replica_id, {})[request.lora_name] = time.time()
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         request = _generate_request(pending_request)
@@ -157,6 +200,7 @@ class FitAwareRequestRouter(RequestRouter):
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         self.routed.pop(replica_id, None)
+        self.adapter_routes.pop(replica_id, None)
         self.prefixes.forget(replica_id)
         super().on_replica_actor_died(replica_id)
 

@@ -448,7 +448,7 @@ class Router:
         if self.admission.is_held(ticket) and self.link.state is not None:
             ticket.passes_hold = fits_beside_cached_prefix(
                 process_index(), self.link.state.replicas.values(), request.prompt, ticket.num_pages,
-                request.cache_salt)
+                request.prefix_salt)
         await self._acquire(ticket)
         admitted = time.monotonic()
         if span is not None:

@@ -53,6 +53,12 @@ class EngineRequest:
     lora_name: str | None = None
     lora_path: str | None = None
 
+    @property
+    def prefix_salt(self):
+        """What a prompt's page names start from in the request router's index: its ``cache_salt``, and
+        its adapter (an adapter's cached prefixes never serve another, in the engine as here)."""
+        return self.cache_salt if self.lora_name is None else (self.cache_salt, "lora", self.lora_name)
+
     def __post_init__(self) -> None:
         if not isinstance(self.sampling, SamplingParams):
             raise ValueError(f"sampling: must be a SamplingParams, got {type(self.sampling).__name__}")
@@ -166,6 +172,11 @@ class LoadReport:
     # its ledger until a snapshot lists it, so one taken while the request was still on its way
     # (a busy host: tens of milliseconds and more) does not make its pages vanish from both.
     received: tuple[str, ...] | None = None
+    # LoRA adapters in the engine's slots, those of them requests hold, and how many slots there are: the
+    # request router sends a request to a replica holding its adapter, else to one with a slot to spare.
+    loras: tuple[str, ...] = ()
+    busy_loras: tuple[str, ...] = ()
+    max_loras: int = 0
 
     @property
     def num_used_pages(self) -> int:
@@ -178,6 +189,7 @@ class LoadReport:
     def from_dict(cls, data: dict) -> LoadReport:
         received = data.get("received")
         return cls(**{**data, "compressed_kinds": tuple(data.get("compressed_kinds", ())),
+                      "loras": tuple(data.get("loras", ())), "busy_loras": tuple(data.get("busy_loras", ())),
                       "received": tuple(received) if received is not None else None})
 
 

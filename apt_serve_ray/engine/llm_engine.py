@@ -6,6 +6,7 @@ What it publishes about itself is typed in ``stats.py``.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 import uuid
@@ -64,7 +65,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.runner = runner
         for name, path in config.lora_module_paths().items():
-            self.add_lora(name, path)
+            self.add_lora(name, path)  # the first max_loras take a slot; the others load on demand
         self.layout = self.runner.layout
         self.max_model_len = self.runner.max_model_len
         kv_capacity = self.runner.num_pages * config.block_size
@@ -102,6 +103,7 @@ class LLMEngine:
         self.monitor_callback: Callable[[float], None] | None = None
         self.eos_token_ids = self._eos_ids()
         self.requests: dict[str, Request] = {}
+        self._lora_waiting: collections.deque[Request] = collections.deque()  # for an adapter slot
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.last_step: StepStats | None = None
         self.num_steps = 0
@@ -187,7 +189,7 @@ class LLMEngine:
             raise ValueError(f"service_class: must be a string, got {service_class!r}")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt: must be a non-empty string, got {cache_salt!r}")
-        lora = self._lora_ref(lora_name)
+        self._check_lora(lora_name)
         request = Request(
             request_id or uuid.uuid4().hex, ids, params, prompt=text,
             arrival_time=self.clock() if arrival_time is None else arrival_time,
@@ -197,19 +199,55 @@ class LLMEngine:
             priority=self.config.default_priority if priority is None else priority,
             trace_context=trace_context, service_class=service_class, cache_salt=cache_salt,
         )
-        request.lora = lora
+        request.lora_name = lora_name
         return request
 
     # LoRA adapters --------------------------------------------------------------------------------
-    def _lora_ref(self, name):
+    def _check_lora(self, name) -> None:
         if name is None:
-            return None
+            return
         lora = getattr(self.runner, "lora", None)
-        ref = lora.ref(name) if lora is not None else None
-        if ref is None:
+        if lora is None or name not in lora.known:
             raise ValueError(f"model: no LoRA adapter named {name!r} is loaded"
                              + ("" if lora is not None else " (LoRA is off: max_loras is 0)"))
-        return ref
+
+    def _take_lora_slot(self, request: Request) -> bool:
+        """Give ``request`` its adapter's slot, loading the adapter into one if it is registered but not
+        loaded (a free slot, else the least recently used one no request holds); False when requests hold
+        every slot: the request waits outside the scheduler (``_lora_waiting``) until one ends. A
+        ``ValueError`` naming ``model`` if the adapter was unloaded meanwhile."""
+        if request.lora_name is None or request.lora is not None:
+            return True
+        self._check_lora(request.lora_name)
+        request.lora = self.runner.lora.load(request.lora_name, self._busy_lora_slots())
+        return request.lora is not None
+
+    def _start_lora_waiting(self) -> list[RequestOutput]:
+        """Requests that waited for an adapter slot go to the scheduler once their adapter has one (in
+        arrival order); those whose adapter was unloaded meanwhile end with an explicit error."""
+        if not self._lora_waiting:
+            return []
+        failed, still = [], collections.deque()
+        while self._lora_waiting:
+            request = self._lora_waiting.popleft()
+            if request.request_id not in self.requests:  # aborted while it waited
+                continue
+            try:
+                started = self._take_lora_slot(request)
+            except ValueError as exc:
+                request.error = f"{exc} (it was unloaded before this request started)"
+                failed.append(self._finish(request, RequestStatus.FINISHED_ERROR))
+                continue
+            if started:
+                self.scheduler.add_request(request)
+            else:
+                still.append(request)
+        self._lora_waiting = still
+        return failed
+
+    def _busy_lora_slots(self) -> set[int]:
+        requests = getattr(self, "requests", {})  # none yet while __init__ loads lora_modules
+        return {r.lora.slot for r in requests.values() if r.lora is not None}
 
     def _lora_manager(self):
         lora = getattr(self.runner, "lora", None)
@@ -218,23 +256,32 @@ class LLMEngine:
         return lora
 
     def add_lora(self, name: str, path: str) -> None:
-        """Load the PEFT adapter in the folder ``path`` as ``name`` (requests then name it as their
-        ``model``); a ``ValueError`` naming the field when it cannot be."""
-        self._lora_manager().add(name, path)
+        """Register the PEFT adapter in the folder ``path`` as ``name`` (requests then name it as their
+        ``model``) and load it into a slot if one is free or held by no request (else it is loaded on
+        its first request); a ``ValueError`` naming the field when it cannot be served."""
+        lora = self._lora_manager()
+        lora.register(name, path)
+        lora.load(name, self._busy_lora_slots())
 
     def remove_lora(self, name: str) -> None:
         """Unload ``name``: new requests can no longer name it; those running with it finish with it,
         and its slot is freed when the last one ends."""
-        lora = self._lora_manager()
-        ref = lora.ref(name)
-        lora.remove(name)
-        if not any(r.lora == ref for r in self.requests.values()):
-            lora.release(ref)
+        ref = self._lora_manager().unregister(name)
+        if ref is not None and ref.slot not in self._busy_lora_slots():
+            self.runner.lora.release(ref)
 
     def list_loras(self) -> dict[str, str]:
-        """The adapters loaded: {name: path}."""
+        """The adapters registered (requests may name them): {name: path}."""
         lora = getattr(self.runner, "lora", None)
-        return dict(lora.paths) if lora is not None else {}
+        return lora.paths if lora is not None else {}
+
+    def loaded_loras(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(the adapters in a slot now, those of them requests in the engine hold)."""
+        lora = getattr(self.runner, "lora", None)
+        if lora is None:
+            return (), ()
+        busy = self._busy_lora_slots()
+        return tuple(lora.refs), tuple(n for n, ref in lora.refs.items() if ref.slot in busy)
 
     def structured_outputs(self):
         """The engine's grammars and matchers (made when a request first asks for structured output:
@@ -258,8 +305,11 @@ class LLMEngine:
             )
         if sp.structured_output is not None:
             self.structured_outputs().add(request.request_id, sp.structured_output)
+        if not self._take_lora_slot(request):  # every adapter slot held by requests: it waits for one
+            self._lora_waiting.append(request)
+        else:
+            self.scheduler.add_request(request)
         self.requests[request.request_id] = request
-        self.scheduler.add_request(request)
         self._emit(request, RequestEvent.QUEUED, self.clock())
         predictor = getattr(self.scheduler.policy, "predictor", None)
         if predictor is not None:  # ``enable_prediction``: here, not an observer, so attach order is free
@@ -273,7 +323,7 @@ class LLMEngine:
         return self._finish(request, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or bool(self._lora_waiting)
 
     # The step -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -287,12 +337,13 @@ class LLMEngine:
                 self.scheduler.pressure_admit = decision.admit
         if self.monitor_callback is not None:
             self.monitor_callback(usage)
+        started = self._start_lora_waiting()
         sched_now = self.clock()
         out = self.scheduler.schedule(sched_now)
         self.last_step = None
         if len(self._observers) > 1 or out.preempted:
             self._emit_schedule_events(out, sched_now)
-        shed = [self._shed(r) for r in out.shed]  # turned away by the policy: ended with an explicit error
+        shed = started + [self._shed(r) for r in out.shed]  # turned away by the policy: an explicit error
         if out.is_empty:
             return shed
         predicted = self.scheduler.predicted_seconds(out)
@@ -406,6 +457,8 @@ class LLMEngine:
         cache of the given kind (with the LoRA adapter ``lora_name``); the pages are returned afterwards.
         Runs between steps only."""
         request = self.make_request(list(token_ids), SamplingParams(max_tokens=1), lora_name=lora_name)
+        if not self._take_lora_slot(request):
+            raise ValueError(f"max_loras: every adapter slot is held by requests; {lora_name!r} has none")
         kind = CacheKind(kind)
         if kind.stores_hidden and not self.hidden_allowed:
             raise ValueError(f"kind: the {kind.value} cache kind is disabled for this model")
@@ -450,7 +503,7 @@ class LLMEngine:
             usage=pool.usage(), cache_ratio=sched.cache_ratio, hidden_share=sched.hidden_share(),
             pages_by_kind={k.value: pool.num_used(k) for k in CacheKind}, tokens_by_kind=tokens,
             compressed_share=sched.compressed_share(),
-            num_waiting=len(sched.waiting), num_running=len(sched.running), num_preemptions=sched.num_preemptions,
+            num_waiting=len(sched.waiting) + len(self._lora_waiting), num_running=len(sched.running), num_preemptions=sched.num_preemptions,
             num_swap_slots=self.swap.num_slots if self.swap else 0,
             num_used_swap_slots=self.swap.num_used_slots - self.cache.num_tier_pages if self.swap else 0,
             num_swap_outs=sched.num_swap_outs, num_tier_cached_pages=self.cache.num_tier_pages,
@@ -461,5 +514,6 @@ class LLMEngine:
             prefix_query_tokens=dict(self.cache.prefix_stats.queries), prefix_hit_tokens=dict(self.cache.prefix_stats.hits),
             num_prefix_evictions=pool.num_evictions,
             prefix_tier_hit_tokens=dict(self.cache.prefix_stats.tier_hits),
+            loras=self.loaded_loras(),
             **self._geometry,
         )

@@ -63,6 +63,9 @@ class CacheStats:
     # not in num_used_swap_slots), and tokens found there since the start, by kind.
     num_tier_cached_pages: int = 0
     prefix_tier_hit_tokens: dict[str, int] | None = None
+    # LoRA adapters: (those in a slot now, those of them requests in the engine hold); the request router
+    # sends a request to a replica that holds its adapter.
+    loras: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -2,8 +2,10 @@
 
 ``LoRAManager`` holds ``max_loras`` slots per targetable layer (``targets.py``): A [slots, rank blocks,
 in] and Bt [slots, rank blocks, out], allocated once at start (their bytes come out of the memory
-budget like the weights'). Loading an adapter fills the lowest free slot; unloading empties it once no
-request uses it. Each targeted layer is wrapped in a ``LoRALinear``; a step's rows tell it their slots
+budget like the weights'). Adapters are registered (read into memory; more than there are slots, as
+vLLM's ``lora_modules`` beyond ``max_loras``) and copied into a slot when a request names one: a free slot,
+else the least recently used one no request holds (``load``); unloading empties a slot once no request
+uses it. Each targeted layer is wrapped in a ``LoRALinear``; a step's rows tell it their slots
 (``set_batch``, from the model runner), and it adds every row's own update in one pair of matrix
 products over the slots in use, masked per row (base-model rows get none):
 
@@ -79,8 +81,12 @@ class LoRAManager:
         self.targets: Targets = lora_targets(hf_config)
         self.max_loras, self.max_rank, self.dtype = max_loras, max_rank, dtype
         self.slots: list[str | None] = [None] * max_loras  # adapter name per slot
-        self.refs: dict[str, LoRARef] = {}
-        self.paths: dict[str, str] = {}
+        self.refs: dict[str, LoRARef] = {}  # the registered adapters in a slot
+        # Every adapter registered: {name: (folder, key, weights in memory)}; more than there are slots.
+        self.known: dict[str, tuple[str, str, object]] = {}
+        self.last_used: dict[str, int] = {}  # name -> when a request last named it (a counter)
+        self._clock = 0
+        self.num_slot_loads = 0  # adapters copied into a slot since the start
         self.batch: LoRABatch | None = None
         self._loads = 0
         self._lock = threading.Lock()
@@ -100,41 +106,102 @@ class LoRAManager:
     def nbytes(self) -> int:
         return sum(a.nbytes + bt.nbytes for a, bt in self.buffers.values())
 
+    @property
+    def paths(self) -> dict[str, str]:
+        """Every adapter registered (requests may name it): {name: its folder}."""
+        return {name: path for name, (path, _, _) in self.known.items()}
+
     def names(self) -> list[str]:
+        return list(self.known)
+
+    def loaded(self) -> list[str]:
+        """The registered adapters in a slot now."""
         return list(self.refs)
 
     def ref(self, name: str) -> LoRARef | None:
+        """``name``'s slot if it is loaded, else None."""
         return self.refs.get(name)
 
-    def add(self, name: str, path: str) -> LoRARef:
-        """Load the PEFT adapter in ``path`` as ``name`` into a free slot (``ValueError`` naming the
-        field when it cannot be: a name taken, no slot free, an adapter this model cannot take)."""
+    def register(self, name: str, path: str) -> None:
+        """Read the PEFT adapter in ``path`` as ``name`` (kept in memory, loaded into a slot when a
+        request needs it); a ``ValueError`` naming the field for a name taken or an adapter this model
+        cannot take."""
         if not isinstance(name, str) or not name.strip():
             raise ValueError(f"lora_name: must be a non-empty string, got {name!r}")
         with self._lock:
-            if name in self.refs:
+            if name in self.known:
                 raise ValueError(f"lora_name: an adapter named {name!r} is already loaded")
-            if None not in self.slots:
-                raise ValueError(f"max_loras: all {self.max_loras} adapter slots are in use; unload one first")
         adapter = load_adapter(path, self.targets, max_rank=self.max_rank, dtype=self.dtype)
         with self._lock:
-            if None not in self.slots or name in self.refs:
-                raise ValueError(f"lora_name: {name!r} could not take a slot (loaded concurrently)")
-            slot = self.slots.index(None)
-            for key, (a, bt) in self.buffers.items():
-                weights = adapter.weights.get(key)
-                if weights is None:
-                    a[slot].zero_()
-                    bt[slot].zero_()
-                else:
-                    a[slot].copy_(weights[0])
-                    bt[slot].copy_(weights[1])
+            if name in self.known:
+                raise ValueError(f"lora_name: an adapter named {name!r} is already loaded")
             self._loads += 1
-            ref = LoRARef(name, slot, f"{name}#{self._loads}")
-            self.slots[slot], self.refs[name], self.paths[name] = name, ref, path
-            self.targeted[ref.key] = set(adapter.weights)
-            self._mark_used()
+            self.known[name] = (path, f"{name}#{self._loads}", adapter)
+
+    def add(self, name: str, path: str) -> LoRARef:
+        """Register ``name`` and load it into a free slot (``ValueError`` naming ``max_loras`` when none is)."""
+        with self._lock:
+            if name not in self.known and None not in self.slots:
+                raise ValueError(f"max_loras: all {self.max_loras} adapter slots are in use; unload one first")
+        self.register(name, path)
+        ref = self.load(name, busy_slots=set(range(self.max_loras)))
+        if ref is None:
+            self.unregister(name)
+            raise ValueError(f"max_loras: all {self.max_loras} adapter slots are in use; unload one first")
         return ref
+
+    def load(self, name: str, busy_slots: set[int]) -> LoRARef | None:
+        """``name``'s slot, loading it into a free one, else into the least recently used one no request
+        holds (``busy_slots``: the slots requests hold), which stays registered; None when every slot is
+        busy. The adapter keeps the key it was registered with, so its cached prefixes outlive a reload."""
+        with self._lock:
+            ref = self.refs.get(name)
+            if ref is None:
+                if name not in self.known:
+                    raise ValueError(f"model: no LoRA adapter named {name!r} is loaded")
+                slot = self._free_slot(busy_slots)
+                if slot is None:
+                    return None
+                _, key, adapter = self.known[name]
+                for layer, (a, bt) in self.buffers.items():
+                    weights = adapter.weights.get(layer)
+                    if weights is None:
+                        a[slot].zero_()
+                        bt[slot].zero_()
+                    else:
+                        a[slot].copy_(weights[0])
+                        bt[slot].copy_(weights[1])
+                ref = LoRARef(name, slot, key)
+                self.slots[slot], self.refs[name] = name, ref
+                self.targeted[key] = set(adapter.weights)
+                self.num_slot_loads += 1
+                self._mark_used()
+            self._clock += 1
+            self.last_used[name] = self._clock
+            return ref
+
+    def _free_slot(self, busy_slots: set[int]) -> int | None:
+        if None in self.slots:
+            return self.slots.index(None)
+        idle = [(self.last_used.get(name, 0), slot) for slot, name in enumerate(self.slots)
+                if slot not in busy_slots and self.refs.get(name) is not None and self.refs[name].slot == slot]
+        if not idle:
+            return None
+        _, slot = min(idle)
+        self._empty(slot)
+        return slot
+
+    def _empty(self, slot: int) -> None:
+        name = self.slots[slot]
+        ref = self.refs.get(name)
+        if ref is not None and ref.slot == slot:
+            del self.refs[name]
+            self.targeted.pop(ref.key, None)
+        self.slots[slot] = None
+        for a, bt in self.buffers.values():
+            a[slot].zero_()
+            bt[slot].zero_()
+        self._mark_used()
 
     def _mark_used(self) -> None:
         """Layers no adapter held targets skip the update (PEFT's default, q and v only, leaves the
@@ -143,17 +210,21 @@ class LoRAManager:
         for key, layer in self.layers.items():
             layer.used = key in used
 
-    def remove(self, name: str) -> None:
-        """Forget ``name``: new requests can no longer name it. Its slot is freed by ``release`` once
-        the requests that hold it have ended (the engine tracks them)."""
+    def unregister(self, name: str) -> LoRARef | None:
+        """Forget ``name``: new requests can no longer name it. Its slot (returned, if it had one) is
+        freed by ``release`` once the requests that hold it have ended (the engine tracks them)."""
         with self._lock:
-            if name not in self.refs:
+            if name not in self.known:
                 raise ValueError(f"lora_name: no adapter named {name!r} is loaded")
-            del self.refs[name], self.paths[name]
+            del self.known[name]
+            self.last_used.pop(name, None)
+            return self.refs.pop(name, None)
+
+    remove = unregister
 
     def release(self, ref: LoRARef) -> None:
-        """Free ``ref``'s slot (no request holds it any more), zeroing it: a freed slot inside the
-        range a step multiplies over must add nothing (0 * NaN would)."""
+        """Free ``ref``'s slot (no request holds it any more, and it was unregistered), zeroing it: a
+        freed slot inside the range a step multiplies over must add nothing (0 * NaN would)."""
         with self._lock:
             if self.slots[ref.slot] == ref.name and self.refs.get(ref.name) != ref:
                 self.slots[ref.slot] = None

@@ -130,24 +130,54 @@ def test_adapters_are_loaded_and_unloaded_at_run_time(adapters):
         engine.make_request(PROMPTS[0], lora_name="a")
     engine.add_lora("a", made["a"][0])
     assert engine.list_loras() == {"a": made["a"][0]}
-    with pytest.raises(ValueError, match="max_loras"):
-        engine.add_lora("b", made["b"][0])  # one slot
+    assert engine.loaded_loras() == (("a",), ())
+    # One slot: a second adapter takes it from the idle first one, which stays registered.
+    engine.add_lora("b", made["b"][0])
+    assert engine.list_loras() == {"a": made["a"][0], "b": made["b"][0]}
+    assert engine.loaded_loras() == (("b",), ())
     with pytest.raises(ValueError, match="lora_name: an adapter named 'a' is already loaded"):
         engine.add_lora("a", made["a"][0])
-    # A request still running when its adapter is unloaded finishes with it; then the slot is free.
-    request = engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                                 lora_name="a")
+    # A request for "a" loads it back; one for "b" meanwhile waits for the slot, then runs.
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    first = engine.add_request(PROMPTS[0], sp, lora_name="a")
     engine.step()
-    engine.remove_lora("a")
-    with pytest.raises(ValueError, match="max_loras"):
-        engine.add_lora("b", made["b"][0])  # the slot is still held
+    assert engine.loaded_loras() == (("a",), ("a",))
+    second = engine.add_request(PROMPTS[1], sp, lora_name="b")
+    assert second.lora is None and engine.cache_stats().num_waiting == 1
+    engine.remove_lora("a")  # still running: it finishes with its adapter, then the slot is free
     while engine.has_unfinished_requests():
         engine.step()
-    assert request.num_output_tokens == 8
-    engine.add_lora("b", made["b"][0])
+    assert first.num_output_tokens == 8 and second.num_output_tokens == 8
     assert engine.list_loras() == {"b": made["b"][0]}
     with pytest.raises(ValueError, match="lora_name: no adapter named 'a'"):
         engine.remove_lora("a")
+
+
+def test_more_adapters_than_slots_serve_in_turn_as_with_slots_enough(adapters):
+    """lora_modules beyond max_loras (vLLM's): requests of three adapters over one slot give what three
+    slots give; a request whose adapter has no slot waits for one, and one aborted while waiting ends."""
+    base, made = adapters("opt-tiny")
+    modules = tuple(f"{n}={p}" for n, (p, _) in made.items())
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    names = [n for n in made] * 2
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(names))]
+    one = LLM(base, dtype="float32", num_pages=128, lora_modules=modules, max_loras=1, max_lora_rank=8)
+    enough = LLM(base, dtype="float32", num_pages=128, lora_modules=modules, max_lora_rank=8)
+    got = [o.outputs[0].token_ids for o in one.generate(prompts, sp, lora_name=names)]
+    want = [o.outputs[0].token_ids for o in enough.generate(prompts, sp, lora_name=names)]
+    assert got == want
+    engine = one.llm_engine
+    assert engine.runner.lora.num_slot_loads >= len(made)
+    running = engine.add_request(PROMPTS[0], sp, lora_name=names[0])
+    other = next(n for n in made if n != names[0])
+    waiting = engine.add_request(PROMPTS[1], sp, lora_name=other)
+    engine.step()
+    assert waiting.lora is None
+    assert engine.abort_request(waiting.request_id).finished
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert running.num_output_tokens == 6 and not engine.requests
+    engine.check_integrity()
 
 
 def test_lora_turns_the_hidden_kinds_off(adapters):
@@ -195,5 +225,5 @@ def test_adapters_we_do_not_serve_are_refused_naming_the_field(checkpoint, tmp_p
     assert llm.llm_engine.list_loras() == {}
     with pytest.raises(ValueError, match="lora_modules"):
         LLM(base, dtype="float32", num_pages=32, lora_modules=("no-equals-sign",))
-    with pytest.raises(ValueError, match="max_loras"):
-        LLM(base, dtype="float32", num_pages=32, lora_modules=("a=/x", "b=/y"), max_loras=1)
+    with pytest.raises(ValueError, match="max_loras: 0 turns LoRA off"):
+        LLM(base, dtype="float32", num_pages=32, lora_modules=("a=/x", "b=/y"), max_loras=0)

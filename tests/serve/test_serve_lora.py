@@ -78,3 +78,32 @@ def test_adapters_load_and_unload_at_run_time_as_vllms_endpoints_do(lora_app, se
     llm = LLM(base, dtype="float32", num_pages=64, lora_modules=(f"late={late}",), max_lora_rank=8)
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     assert texts == {llm.generate([PROMPT], sp, lora_name="late")[0].outputs[0].text}
+
+
+def test_more_adapters_than_slots_are_served_at_once(lora_app, serve_url):
+    """Three adapters over two slots a replica, requests of all of them at once: each replica loads what
+    its requests name into a slot no request holds, or holds a request until one is, and every answer is
+    the offline engine's."""
+    import concurrent.futures
+
+    base, sql, late = lora_app
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    with httpx.Client(base_url=serve_url + "/lora", timeout=120) as client:
+        for name in ("late2", "late3"):
+            loaded = client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": late})
+            assert loaded.status_code == 200, loaded.text
+        names = ["sql", "late2", "late3"] * 3
+
+        def post(name):
+            return client.post("/v1/completions", json={"model": name, **body})
+
+        with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
+            responses = list(pool.map(post, names))
+        for name in ("late2", "late3"):
+            assert client.post("/v1/unload_lora_adapter", json={"lora_name": name}).status_code == 200
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
+    llm = LLM(base, dtype="float32", num_pages=64, lora_modules=(f"sql={sql}", f"late={late}"), max_lora_rank=8)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = {"sql": llm.generate([PROMPT], sp, lora_name="sql")[0].outputs[0].text,
+            "late": llm.generate([PROMPT], sp, lora_name="late")[0].outputs[0].text}
+    assert [r.json()["choices"][0]["text"] for r in responses] == [want["sql" if n == "sql" else "late"] for n in names]
