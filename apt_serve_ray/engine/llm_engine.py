@@ -33,6 +33,8 @@ from apt_serve_ray.scheduler.watermarks import Watermarks
 from apt_serve_ray.engine.stats import CacheStats, StepStats
 
 logger = logging.getLogger("apt_serve_ray")
+# A request waiting this long for a LoRA adapter slot lets no later adapter request start before it.
+LORA_FAIR_WAIT_S = 1.0
 
 
 class LLMEngine:
@@ -222,18 +224,26 @@ class LLMEngine:
         request.lora = self.runner.lora.load(request.lora_name, self._busy_lora_slots())
         return request.lora is not None
 
+    def _lora_queue_closed(self) -> bool:
+        """Whether the first request waiting for an adapter slot has waited ``LORA_FAIR_WAIT_S``: then
+        adapter requests queue behind it, so that the slots drain (else requests of the adapters in
+        slots, arriving without end, would keep every slot held and it would never start)."""
+        return bool(self._lora_waiting) and self.clock() - self._lora_waiting[0].arrival_time > LORA_FAIR_WAIT_S
+
     def _start_lora_waiting(self) -> list[RequestOutput]:
         """Requests that waited for an adapter slot go to the scheduler once their adapter has one (in
-        arrival order); those whose adapter was unloaded meanwhile end with an explicit error."""
+        arrival order; past ``LORA_FAIR_WAIT_S``, none overtakes the first); those whose adapter was
+        unloaded meanwhile end with an explicit error."""
         if not self._lora_waiting:
             return []
         failed, still = [], collections.deque()
+        closed = self._lora_queue_closed()
         while self._lora_waiting:
             request = self._lora_waiting.popleft()
             if request.request_id not in self.requests:  # aborted while it waited
                 continue
             try:
-                started = self._take_lora_slot(request)
+                started = (not closed or not still) and self._take_lora_slot(request)
             except ValueError as exc:
                 request.error = f"{exc} (it was unloaded before this request started)"
                 failed.append(self._finish(request, RequestStatus.FINISHED_ERROR))
@@ -305,8 +315,8 @@ class LLMEngine:
             )
         if sp.structured_output is not None:
             self.structured_outputs().add(request.request_id, sp.structured_output)
-        if not self._take_lora_slot(request):  # every adapter slot held by requests: it waits for one
-            self._lora_waiting.append(request)
+        if request.lora_name is not None and self._lora_queue_closed() or not self._take_lora_slot(request):
+            self._lora_waiting.append(request)  # every adapter slot held by requests: it waits for one
         else:
             self.scheduler.add_request(request)
         self.requests[request.request_id] = request

@@ -180,6 +180,30 @@ def test_more_adapters_than_slots_serve_in_turn_as_with_slots_enough(adapters):
     engine.check_integrity()
 
 
+def test_a_request_waiting_for_a_slot_is_not_overtaken_for_ever(adapters, monkeypatch):
+    """Past LORA_FAIR_WAIT_S, a request waiting for an adapter slot lets no later adapter request start
+    before it: requests of the adapter in the slot queue behind it, and the slot drains."""
+    from apt_serve_ray.engine import llm_engine
+
+    monkeypatch.setattr(llm_engine, "LORA_FAIR_WAIT_S", 0.0)
+    base, made = adapters("opt-tiny")
+    llm = LLM(base, dtype="float32", num_pages=128, lora_modules=tuple(f"{n}={p}" for n, (p, _) in made.items()),
+              max_loras=1, max_lora_rank=8)
+    engine = llm.llm_engine
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    first = engine.add_request(PROMPTS[0], sp, lora_name="a")
+    engine.step()
+    waiting = engine.add_request(PROMPTS[1], sp, lora_name="b")
+    later = engine.add_request(PROMPTS[2], sp, lora_name="a")  # its adapter is in the slot, but b waits
+    assert waiting.lora is None and later.lora is None
+    base_row = engine.add_request(PROMPTS[2], sp)  # the base model needs no slot: never held back
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert all(r.num_output_tokens == 6 for r in (first, waiting, later, base_row))
+    assert first.first_token_time < waiting.first_token_time < later.first_token_time
+    assert base_row.first_token_time < waiting.first_token_time
+
+
 def test_lora_turns_the_hidden_kinds_off(adapters):
     """Hidden pages hold x and project it to K/V with the base weights: an adapter on k or v would be lost."""
     base, made = adapters("opt-tiny")
