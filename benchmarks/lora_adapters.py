@@ -16,45 +16,21 @@ the figure (the issue's aim: at most 1.25x the base model's TPOT with 8 adapters
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 
 import torch
 
 from apt_serve_ray import LLM
+from apt_serve_ray.bench.adapters import write_random_adapter
 from apt_serve_ray.bench.engine_args import add_cache_dir, random_checkpoint
 from apt_serve_ray.bench.report import stamp, write_json
 from apt_serve_ray.bench.steps import decode_batch, fake_step, fill_pages, time_step
-from apt_serve_ray.lora.targets import lora_targets
 from apt_serve_ray.models.loader import DEFAULT_MODEL
 from apt_serve_ray.request import CacheKind
 
 MODELS = {"smollm2": None, "opt-125m": "opt-125m"}
 TARGETS = {"qv": ("q_proj", "v_proj"), "all": None}
-
-
-def write_random_adapter(folder: str, hf_config, rank: int, seed: int, modules: tuple[str, ...] | None) -> None:
-    """A PEFT folder with lora_A / lora_B for ``modules`` (None: every module our targets know), random
-    (B not zero)."""
-    from safetensors.torch import save_file
-
-    targets = lora_targets(hf_config)
-    g = torch.Generator().manual_seed(seed)
-    tensors, names = {}, set()
-    for i in range(targets.num_layers):
-        for group in targets.groups:
-            for path, c0, c1 in group.parts:
-                if modules is not None and path.rsplit(".", 1)[-1] not in modules:
-                    continue
-                key = f"base_model.model.{targets.layer_prefix.format(i)}.{path}"
-                tensors[f"{key}.lora_A.weight"] = torch.randn(rank, group.in_features, generator=g) / group.in_features ** 0.5
-                tensors[f"{key}.lora_B.weight"] = torch.randn(c1 - c0, rank, generator=g) * 0.01
-                names.add(path.rsplit(".", 1)[-1])
-    os.makedirs(folder, exist_ok=True)
-    save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
-    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
-        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": sorted(names)}, f)
 
 
 def with_adapters(out, refs: list, k: int):

@@ -194,7 +194,7 @@ async def stream_into(http, url: str, body: dict, t: RequestTimeline, t0: float,
 async def send_request(http, url: str, req: TraceRequest, model: str, opts: ClientOptions,
                        slos: dict[str, float], t0: float) -> RequestTimeline:
     """One trace request, streamed and timed; its own SLOs take precedence over ``slos``."""
-    body = completion_body(model, req.prompt_token_ids, req.output_len, opts, priority=req.priority,
+    body = completion_body(req.model or model, req.prompt_token_ids, req.output_len, opts, priority=req.priority,
                            ttft_slo_ms=req.ttft_slo_ms, tbt_slo_ms=req.tbt_slo_ms)
     own = {k: v for k, v in (("ttft_slo_ms", req.ttft_slo_ms), ("tbt_slo_ms", req.tbt_slo_ms)) if v is not None}
     t = RequestTimeline(req.request_id, time.perf_counter() - t0, None, [], None, req.prompt_len, 0,

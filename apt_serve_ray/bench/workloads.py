@@ -89,6 +89,7 @@ class TraceRequest:
     tbt_slo_ms: float | None = None
     priority: int = 0
     service_class: str | None = None  # the name of its ServiceClass, if assign_classes gave it one
+    model: str | None = None  # the model it names (a LoRA adapter), else the replay's
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1 or self.output_len < 1:
