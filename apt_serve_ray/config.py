@@ -13,7 +13,10 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 COMPRESSED_KIND_NAMES = tuple(k.value for k in COMPRESSED)  # ("hidden", "kv-int8", "hidden-int8")
 _DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # see apt_serve_ray.attention
-QUANTIZATIONS = ("int8", "int4")  # weights kept quantized, see apt_serve_ray.models.quant
+QUANTIZATIONS = ("int8", "int4")  # weights quantized at load and kept so, see apt_serve_ray.models.quant
+# Checkpoints that arrive quantized (read as they are, apt_serve_ray.models.checkpoint_quant); found from the
+# checkpoint's config, so ``quantization`` may be left unset for them.
+CHECKPOINT_QUANTIZATIONS = ("gptq", "awq", "compressed-tensors")
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,9 @@ class EngineConfig:
     # Weights kept quantized (vLLM's name): "int8" (per output channel) or "int4" (groups of 32, as GGUF's
     # Q4_1) weight-only, quantized at load and multiplied packed (models/quant.py; CPU, bf16 or fp16
     # activations). None: the checkpoint's weights at ``dtype``. Less memory and a faster single stream,
-    # slower batches and prefill.
+    # slower batches and prefill. A GPTQ / AWQ / compressed-tensors checkpoint is served in its own codes
+    # whatever this says ("gptq" / "awq" / "compressed-tensors", or None; models/checkpoint_quant.py), widened
+    # to full width where our kernels do not run (float32, GPU).
     quantization: str | None = None
     # LoRA adapters (PEFT folders on this machine; vLLM's names): ``lora_modules`` "name=path" each, read
     # at start; a request names one as its ``model``. ``max_loras``: adapters in slots at once, each a slot of
@@ -126,12 +131,13 @@ class EngineConfig:
                     or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in cpus)):
                 raise ValueError(f"cpu_affinity: must be a non-empty list of CPU numbers >= 0, got {cpus!r}")
             object.__setattr__(self, "cpu_affinity", tuple(cpus))
-        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization: must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
-        if self.quantization is not None and self.dtype == "float32":
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS + CHECKPOINT_QUANTIZATIONS:
+            raise ValueError(f"quantization: must be one of {QUANTIZATIONS + CHECKPOINT_QUANTIZATIONS} or None, "
+                             f"got {self.quantization!r}")
+        if self.quantization in QUANTIZATIONS and self.dtype == "float32":
             raise ValueError(f"quantization: {self.quantization} weights need bfloat16 (or float16) activations, "
                              "not float32: set dtype=bfloat16")
-        if self.quantization is not None and self.device == "cuda":
+        if self.quantization in QUANTIZATIONS and self.device == "cuda":
             raise ValueError("quantization: quantized weights are served on CPU only (no GPU kernel yet)")
         self._check_lora()
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -89,4 +89,10 @@ def fuse(*tensors: torch.Tensor | None) -> torch.Tensor | None:
         return None
     if len(present) != len(tensors):
         raise ValueError("checkpoint: some of q/k/v have a bias and others do not")
+    from apt_serve_ray.models.checkpoint_quant import QuantizedWeight
+
+    if any(isinstance(t, QuantizedWeight) for t in present):
+        if not all(isinstance(t, QuantizedWeight) for t in present):
+            raise ValueError("checkpoint: fused projections (q/k/v or gate/up) are quantized in part only")
+        return QuantizedWeight.cat(present)
     return torch.cat(present, dim=0).contiguous()

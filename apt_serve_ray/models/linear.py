@@ -63,10 +63,13 @@ class Linear:
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, *, quantization: str | None = None,
                 keep_weight: bool = False, keep_rows: int = 0):
-    """A ``Linear``, or with ``quantization`` ("int8" / "int4") a layer whose weight stays quantized
-    (``quant.py``), its last ``keep_rows`` rows also kept dequantized (``kept_rows``)."""
-    if quantization is None:
-        return Linear(weight, bias, keep_weight=keep_weight)
+    """A ``Linear``, or with ``quantization`` ("int8" / "int4"), or for a checkpoint's codes (a
+    ``checkpoint_quant.QuantizedWeight``), a layer whose weight stays quantized (``quant.py``), its last
+    ``keep_rows`` rows also kept dequantized (``kept_rows``)."""
+    from apt_serve_ray.models.checkpoint_quant import QuantizedWeight
+
+    if not isinstance(weight, QuantizedWeight) and quantization not in ("int8", "int4"):
+        return Linear(weight, bias, keep_weight=keep_weight)  # also a layer a quantized checkpoint left at full width
     from apt_serve_ray.models.quant import quantized_linear
 
     return quantized_linear(weight, bias, quantization, keep_rows)

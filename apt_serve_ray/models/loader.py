@@ -77,8 +77,17 @@ def load_tokenizer(source: ModelSource, tokenizer: str | None = None):
     return AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file)
 
 
+def checkpoint_quantization(source: ModelSource) -> dict | None:
+    """A safetensors checkpoint's ``quantization_config`` (config.json), or None."""
+    path = Path(source.directory) / "config.json"
+    if source.gguf_file is not None or not path.exists():
+        return None
+    return json.loads(path.read_text()).get("quantization_config") or None
+
+
 def load_state_dict(source: ModelSource, dtype) -> dict:
-    """Weights as transformers loads them (GGUF dequantised and un-permuted, safetensors as stored)."""
+    """Weights as transformers loads them (GGUF dequantised and un-permuted, safetensors as stored; the
+    layers of a GPTQ / AWQ / compressed-tensors checkpoint as ``checkpoint_quant.QuantizedWeight``)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -90,8 +99,15 @@ def load_state_dict(source: ModelSource, dtype) -> dict:
             state: dict = {}
             for f in files:
                 state.update(load_file(str(f)))
+            qconfig = checkpoint_quantization(source)
+            if qconfig:  # GPTQ / AWQ / compressed-tensors: the layers' codes kept as they are (checkpoint_quant.py)
+                from apt_serve_ray.models.checkpoint_quant import read_quantized
+
+                state = read_quantized(state, qconfig)
             # Original fairseq-converted OPT checkpoints name weights "decoder.*", not "model.decoder.*".
-            return {("model." + k if k.startswith("decoder.") else k): v.to(dtype) for k, v in state.items()}
+            return {("model." + k if k.startswith("decoder.") else k):
+                    (v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+                    for k, v in state.items()}
     model = AutoModelForCausalLM.from_pretrained(source.directory, gguf_file=source.gguf_file, dtype=dtype)
     with torch.no_grad():
         return dict(model.state_dict())

@@ -97,22 +97,26 @@ class Int8Linear:
 
     __slots__ = ("qweight", "scales", "bias", "kept_rows", "packed", "scale32", "bias32", "out_features")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, keep_rows: int = 0) -> None:
-        q, scales = quantize_int8(weight)
-        self.out_features = len(weight)
-        self.qweight, self.scales, self.bias = q, scales.to(weight.dtype), bias
+    def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None = None, *, keep_rows: int = 0,
+                 codes: tuple[torch.Tensor, torch.Tensor] | None = None, dtype: torch.dtype | None = None) -> None:
+        """``weight`` [N, K] quantized here, or ``codes`` (int8 [N, K], float32 scales [N]) as a checkpoint
+        stores them, with ``dtype`` the activations'."""
+        q, scales = quantize_int8(weight) if codes is None else codes
+        dtype = weight.dtype if codes is None else dtype
+        self.out_features = len(q)
+        self.qweight, self.scales, self.bias = q, scales.to(dtype), bias
         # The last ``keep_rows`` rows as the kernel sees them, at full width (the K/V rows the hidden
         # cache kinds project stored x with: the same weights as the KV path's, so both kinds agree).
-        self.kept_rows = self.dequantize()[len(weight) - keep_rows:].to(weight.dtype) if keep_rows else None
+        self.kept_rows = self.dequantize()[len(q) - keep_rows:].to(dtype) if keep_rows else None
         self.packed = self.scale32 = self.bias32 = None
-        if weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and native_int8_kernel():
+        if dtype == torch.bfloat16 and q.shape[1] % 2 == 0 and native_int8_kernel():
             self.packed = pack_int8(q)
             npad = self.packed.shape[0] * 16
             self.scale32 = torch.zeros(npad)
-            self.scale32[: len(weight)] = scales  # float32, as quantized (not rounded to bf16)
+            self.scale32[: len(q)] = scales  # float32, as quantized (not rounded to bf16)
             if bias is not None:
                 self.bias32 = torch.zeros(npad)
-                self.bias32[: len(weight)] = bias.float()
+                self.bias32[: len(q)] = bias.float()
             self.qweight = None  # one copy of the codes
 
     @property
@@ -163,36 +167,48 @@ class Int4Linear:
     from the first token ("What is the capital of France?": "L'Étoile, la Marseur, ..." against full width's
     "The capital of France is Paris."); ours answers as full width does."""
 
-    __slots__ = ("packed", "scales_zeros", "bias", "group_size", "kept_rows", "dm", "bias32", "out_features")
+    __slots__ = ("packed", "scales_zeros", "bias", "group_size", "kept_rows", "dm", "bias32", "out_features", "perm")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group_size: int = INT4_GROUP,
-                 keep_rows: int = 0) -> None:
-        q, scales, minima = quantize_int4(weight, group_size)
-        self.bias, self.group_size, self.out_features = bias, group_size, len(weight)
+    def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None = None, *,
+                 group_size: int = INT4_GROUP, keep_rows: int = 0,
+                 codes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                 dtype: torch.dtype | None = None, perm: torch.Tensor | None = None) -> None:
+        """``weight`` [N, K] quantized here, or ``codes`` (0..15 [N, K], d and m [N, K / 32] float32) as a
+        checkpoint stores them (``checkpoint_quant.py``), with ``dtype`` the activations' and ``perm`` the
+        input order of an act-order checkpoint's codes."""
+        q, scales, minima = quantize_int4(weight, group_size) if codes is None else codes
+        dtype = weight.dtype if codes is None else dtype
+        n = len(q)
+        self.bias, self.group_size, self.out_features, self.perm = bias, group_size, n, perm
         self.scales_zeros = self.dm = self.bias32 = None
-        if weight.dtype == torch.bfloat16 and group_size == INT4_GROUP and native_int8_kernel():
+        if dtype == torch.bfloat16 and group_size == INT4_GROUP and native_int8_kernel():
             self.packed, self.dm = pack_int4(q, scales, minima)
             if bias is not None:
                 self.bias32 = torch.zeros(self.packed.shape[0] * 16)
-                self.bias32[: len(weight)] = bias.float()
+                self.bias32[:n] = bias.float()
             reference = dequantize_int4(q, scales, minima, group_size)  # what the kernel multiplies by
         else:
-            self.packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+            self.packed = torch._convert_weight_to_int4pack_for_cpu(q.int(), 1)
             # The kernel's form: w = (q - 8) * scale + zero, [K / g, N, 2] in the activations' dtype.
             zeros = minima + 8.0 * scales
-            self.scales_zeros = torch.stack((scales, zeros), dim=-1).transpose(0, 1).contiguous().to(weight.dtype)
+            self.scales_zeros = torch.stack((scales, zeros), dim=-1).transpose(0, 1).contiguous().to(dtype)
             sz = self.scales_zeros.float()
-            reference = ((q.view(len(weight), -1, group_size).float() - 8.0) * sz[..., 0].T[..., None]
-                         + sz[..., 1].T[..., None]).view(len(weight), -1)
+            reference = ((q.view(n, -1, group_size).float() - 8.0) * sz[..., 0].T[..., None]
+                         + sz[..., 1].T[..., None]).view(n, -1)
+        if perm is not None:  # back to the inputs' own order, for the rows kept at full width
+            natural = torch.empty_like(reference)
+            natural[:, perm] = reference
+            reference = natural
         # As ``Int8Linear.kept_rows``: the last rows as the kernel multiplies by them, at full width.
-        self.kept_rows = reference[len(weight) - keep_rows:].to(weight.dtype) if keep_rows else None
+        self.kept_rows = reference[n - keep_rows:].to(dtype) if keep_rows else None
 
     @property
     def nbytes(self) -> int:
         return self.packed.nbytes + (self.dm if self.dm is not None else self.scales_zeros).nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        rows = x.reshape(-1, x.shape[-1])
+        rows = rows.index_select(1, self.perm) if self.perm is not None else rows.contiguous()
         if self.dm is not None:  # our layout: bf16 activations (the kernel checks)
             y = torch.ops.apt_serve.woq_int4_linear(rows, self.packed, self.dm, self.bias32, self.out_features)
         else:
@@ -202,9 +218,17 @@ class Int4Linear:
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
-def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, quantization: str, keep_rows: int = 0):
-    """``weight`` [N, K] as an ``Int8Linear`` or ``Int4Linear`` (int4 where K is whole groups; else int8);
+def quantized_linear(weight, bias: torch.Tensor | None, quantization: str, keep_rows: int = 0):
+    """``weight`` [N, K] as an ``Int8Linear`` or ``Int4Linear`` (int4 where K is whole groups; else int8), or
+    a checkpoint's codes (a ``checkpoint_quant.QuantizedWeight``) as the layer of their bit width;
     ``keep_rows``: its last rows also kept dequantized at full width (``kept_rows``)."""
+    from apt_serve_ray.models.checkpoint_quant import QuantizedWeight
+
+    if isinstance(weight, QuantizedWeight):
+        if weight.bits == 8:
+            return Int8Linear(None, bias, keep_rows=keep_rows, codes=(weight.codes, weight.scales), dtype=weight.dtype)
+        return Int4Linear(None, bias, keep_rows=keep_rows, codes=(weight.codes, weight.scales, weight.minima),
+                          dtype=weight.dtype, perm=weight.perm)
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization: must be one of {QUANTIZATIONS} or None, got {quantization!r}")
     if weight.device.type != "cpu":

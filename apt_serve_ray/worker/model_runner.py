@@ -11,8 +11,9 @@ import torch
 from apt_serve_ray.cache.cache_manager import ConversionPlan, SwapPlan
 from apt_serve_ray.cache.layout import CacheLayout
 from apt_serve_ray.cache.storage import CacheStorage, token_rows
-from apt_serve_ray.config import EngineConfig
+from apt_serve_ray.config import QUANTIZATIONS, EngineConfig
 from apt_serve_ray.worker.cpu_info import has_native_bf16 as cpu_has_native_bf16
+from apt_serve_ray.models.checkpoint_quant import checked_quantization, dequantize_state
 from apt_serve_ray.models.loader import ModelSource, load_config, load_state_dict
 from apt_serve_ray.models import DecoderModel, model_class
 from apt_serve_ray.models.base import tensor_bytes
@@ -77,14 +78,17 @@ class ModelRunner:
             model_max = window
         self.max_model_len = config.max_model_len or model_max
         state = load_state_dict(source, self.dtype)
-        if config.quantization is not None and self.dtype == torch.float32:
+        quantization = checked_quantization(config, state, self.dtype, self.device)
+        if quantization is None:
+            state = dequantize_state(state, self.dtype)
+        if quantization in QUANTIZATIONS and self.dtype == torch.float32:
             # torch's kernels for packed int8 / int4 weights: 9-17x the full-width time at one row in
             # float32, 80-170x at 32-512 rows (bf16: 0.55-0.6x at one row), models/quant.py
             raise ValueError(f"quantization: {config.quantization} weights need bfloat16 (or float16) activations; "
                              f"dtype is float32{' (auto, on this CPU)' if config.dtype == 'auto' else ''}: "
                              "set dtype=bfloat16")
         self.model: DecoderModel = cls(self.hf_config, state, self.device, self.dtype, self.max_model_len,
-                                       quantization=config.quantization)
+                                       quantization=quantization)
         del state
         self.weight_bytes = tensor_bytes(self.model)  # before LoRA wraps the layers (their slots: lora.nbytes)
         self.lora = None
