@@ -32,6 +32,11 @@ import torch
 
 from apt_serve_ray.config import QUANTIZATIONS
 INT4_GROUP = 32  # GGUF Q4_0 / Q4_1's block
+# From this many rows (a prefill chunk) our layers widen the weight into a bf16 scratch and multiply it by
+# oneDNN's bf16 GEMM: per layer on this project's CPU (one thread) int4 1.07-1.32x full width at 512 rows against
+# 2.1-2.4x through the kernel, 1.2-1.9x against 2.1-2.3x at 128; int8 1.07-1.39x against 1.42-1.51x at 512, and
+# worse than the kernel at 128 on the largest layers (docs/benchmarks.md, "Weights kept quantized").
+WIDEN_ROWS = {"int4": 128, "int8": 256}
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,7 +139,10 @@ class Int8Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).contiguous()
-        if self.packed is not None:  # our layout: bf16 activations (the kernel checks)
+        if self.packed is not None and len(rows) >= WIDEN_ROWS["int8"] and rows.dtype == torch.bfloat16:
+            y = _widened_product(rows, torch.ops.apt_serve.woq_int8_dequant_t(self.packed, self.scale32), self.bias,
+                                 self.out_features)
+        elif self.packed is not None:  # our layout: bf16 activations (the kernel checks)
             y = torch.ops.apt_serve.woq_int8_linear(rows, self.packed, self.scale32, self.bias32, self.out_features)
         else:
             y = torch._weight_int8pack_mm(rows, self.qweight, self.scales)
@@ -209,13 +217,26 @@ class Int4Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         rows = rows.index_select(1, self.perm) if self.perm is not None else rows.contiguous()
-        if self.dm is not None:  # our layout: bf16 activations (the kernel checks)
+        if self.dm is not None and len(rows) >= WIDEN_ROWS["int4"] and rows.dtype == torch.bfloat16:
+            y = _widened_product(rows, torch.ops.apt_serve.woq_int4_dequant_t(self.packed, self.dm), self.bias,
+                                 self.out_features)
+        elif self.dm is not None:  # our layout: bf16 activations (the kernel checks)
             y = torch.ops.apt_serve.woq_int4_linear(rows, self.packed, self.dm, self.bias32, self.out_features)
         else:
             y = torch._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scales_zeros)
             if self.bias is not None:
                 y += self.bias
         return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def _widened_product(rows: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """rows [M, K] @ the widened weight wt [K, Npad] (its values those the kernels multiply by), the first n."""
+    y = torch.mm(rows, wt)
+    if y.shape[1] != n:
+        y = y[:, :n].contiguous()
+    if bias is not None:
+        y += bias
+    return y
 
 
 def quantized_linear(weight, bias: torch.Tensor | None, quantization: str, keep_rows: int = 0):

@@ -55,6 +55,27 @@ def test_the_int8_kernel_matches_its_reference_at_any_rows_and_a_tail_of_channel
     assert (y.float() - ref).abs().max() <= 1e-2 * ref.abs().max()
 
 
+@pytest.mark.parametrize("kind", [Int8Linear, Int4Linear])
+def test_a_prefill_sized_batch_multiplies_the_widened_weight_the_kernel_stands_for(kind):
+    """From WIDEN_ROWS rows the layer widens its codes into a bf16 scratch and multiplies that (a GEMM): the
+    same weight as the kernel's, 100 channels (a part-filled last block: its padding never reaches y)."""
+    from apt_serve_ray.models.quant import WIDEN_ROWS
+
+    g = torch.Generator().manual_seed(3)
+    n = 100 if native_int8_kernel() else 96  # torch's int4 packing (where ours does not build) wants N by 16
+    weight = torch.randn(n, 4 * INT4_GROUP, generator=g).to(torch.bfloat16)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    layer = kind(weight, bias)
+    rows = WIDEN_ROWS["int8" if kind is Int8Linear else "int4"] + 3
+    x = torch.randn(rows, weight.shape[1], generator=g).to(torch.bfloat16)
+    y = layer(x)
+    ref = F.linear(x.float(), _reference(layer, weight), bias.float())
+    assert y.shape == (rows, n) and y.dtype == torch.bfloat16
+    assert (y.float() - ref).abs().max() <= 2e-2 * ref.abs().max()
+    small = layer(x[:5])  # the kernel's path: the same rows give the same values, to bf16 rounding
+    assert (small.float() - y[:5].float()).abs().max() <= 2e-2 * ref.abs().max()
+
+
 def test_weights_on_a_q4_1_grid_keep_their_codes():
     """The default model ships as Q4_1 (w = d q + m, q in 0..15, each block's min at 0 and max at 15):
     quantizing its dequantized weights gives back the same codes, so int4 serves the shipped 4-bit model."""

@@ -234,15 +234,105 @@ at::Tensor woq_int4_linear(const at::Tensor& x, const at::Tensor& packed, const 
 #endif
   return y;
 }
+
+
+// Large batches (a prefill chunk): the kernels above convert every code once per ROWS rows, so past a few dozen
+// rows they lose to a bf16 GEMM. There the layer's weight is widened instead, transposed, into a bf16 scratch
+// [K, Npad] (each group of 32 inputs and block of 16 channels at once; rows of k split across threads), and
+// multiplied by oneDNN's bf16 GEMM (at::mm) by the caller. The values are the ones the kernels multiply by.
+//   int8: w = q * scale;  int4: w = d q + m (per group)
+#if defined(__AVX512BF16__)
+// 32 floats of [ch0 t0, ch0 t1, ch1 t0, ...] (lo: channels 0-7, hi: 8-15) -> t0 and t1 over the 16 channels.
+inline void deinterleave(__m512 lo, __m512 hi, __m512& t0, __m512& t1) {
+  const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  t0 = _mm512_permutex2var_ps(lo, even, hi);
+  t1 = _mm512_permutex2var_ps(lo, _mm512_add_epi32(even, _mm512_set1_epi32(1)), hi);
+}
+
+inline void store_row16(c10::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+}
+#endif
+
+// packed int8 [N/16, K/2, 16, 2], scale [Npad] float32 -> [K, Npad] bf16.
+at::Tensor woq_int8_dequant_t(const at::Tensor& packed, const at::Tensor& scale) {
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kChar, "woq_int8_dequant_t: packed int8");
+  const int64_t nb = packed.size(0), kp = packed.size(1), npad = nb * 16;
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == npad, "woq_int8_dequant_t: scale");
+  auto wt = at::empty({2 * kp, npad}, packed.options().dtype(at::kBFloat16));
+#if defined(__AVX512BF16__)
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  auto* out = wt.data_ptr<at::BFloat16>();
+  at::parallel_for(0, kp, 16, [&](int64_t k0, int64_t k1) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m512 s = _mm512_loadu_ps(sp + b * 16);
+      for (int64_t k = k0; k < k1; ++k) {
+        const int8_t* p = wp + (b * kp + k) * 32;
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+        __m512 t0, t1;
+        deinterleave(lo, hi, t0, t1);
+        store_row16(out + (2 * k) * npad + b * 16, _mm512_mul_ps(t0, s));
+        store_row16(out + (2 * k + 1) * npad + b * 16, _mm512_mul_ps(t1, s));
+      }
+    }
+  });
+#else
+  TORCH_CHECK(false, "woq_int8_dequant_t: needs AVX-512 BF16 (woq_native() is false here)");
+#endif
+  return wt;
+}
+
+// packed int4 [N/16, K/2, 16] uint8, dm [N/16, K/32, 16, 2] float32 -> [K, Npad] bf16.
+at::Tensor woq_int4_dequant_t(const at::Tensor& packed, const at::Tensor& dm) {
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.size(2) == 16,
+              "woq_int4_dequant_t: packed [N/16, K/2, 16] uint8");
+  const int64_t nb = packed.size(0), kp = packed.size(1), npad = nb * 16, groups = 2 * kp / 32;
+  TORCH_CHECK(2 * kp % 32 == 0 && dm.scalar_type() == at::kFloat && dm.numel() == nb * groups * 32,
+              "woq_int4_dequant_t: dm");
+  auto wt = at::empty({2 * kp, npad}, packed.options().dtype(at::kBFloat16));
+#if defined(__AVX512BF16__)
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* dp = dm.data_ptr<float>();
+  auto* out = wt.data_ptr<at::BFloat16>();
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      for (int64_t b = 0; b < nb; ++b) {
+        __m512 d, m;
+        const float* q = dp + (b * groups + g) * 32;  // 16 (d, m) pairs
+        deinterleave(_mm512_loadu_ps(q), _mm512_loadu_ps(q + 16), d, m);
+        for (int64_t k = g * 16; k < (g + 1) * 16; ++k) {
+          const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + (b * kp + k) * 16));
+          const __m128i lo4 = _mm_and_si128(bytes, _mm_set1_epi8(0x0f));
+          const __m128i hi4 = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0f));
+          __m512 t0, t1;
+          deinterleave(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo4)), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi4)),
+                       t0, t1);
+          store_row16(out + (2 * k) * npad + b * 16, _mm512_fmadd_ps(t0, d, m));
+          store_row16(out + (2 * k + 1) * npad + b * 16, _mm512_fmadd_ps(t1, d, m));
+        }
+      }
+    }
+  });
+#else
+  TORCH_CHECK(false, "woq_int4_dequant_t: needs AVX-512 BF16 (woq_native() is false here)");
+#endif
+  return wt;
+}
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(apt_serve, m) {
   m.def("woq_native() -> bool", &woq_native);
   m.def("woq_int8_linear(Tensor x, Tensor packed, Tensor scale, Tensor? bias, int n) -> Tensor");
   m.def("woq_int4_linear(Tensor x, Tensor packed, Tensor dm, Tensor? bias, int n) -> Tensor");
+  m.def("woq_int8_dequant_t(Tensor packed, Tensor scale) -> Tensor");
+  m.def("woq_int4_dequant_t(Tensor packed, Tensor dm) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(apt_serve, CPU, m) {
   m.impl("woq_int8_linear", &woq_int8_linear);
   m.impl("woq_int4_linear", &woq_int4_linear);
+  m.impl("woq_int8_dequant_t", &woq_int8_dequant_t);
+  m.impl("woq_int4_dequant_t", &woq_int4_dequant_t);
 }
