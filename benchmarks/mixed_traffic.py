@@ -78,20 +78,29 @@ def engine_options(name: str, args) -> dict:
         return dict(engine_options("apt", args), policy_options={"write_off_fewest": False, "keep_reservation": False})
     if name == "apt-notier":  # apt without the tier below memory: preempted requests are recomputed
         return dict(engine_options("apt", args), swap_space=0.0)
+    if name in ("apt-int4", "apt-int8"):  # apt on weights kept quantized (the memory they save: cache pages)
+        return dict(engine_options("apt", args), quantization=name.split("-")[1])
     if name == "apt-kv":
         return dict(common, policy="apt", cache_ratio=0.0, enable_hybrid_cache=False, swap_space=4.0)
     if name in ("sarathi", "fcfs", "priority"):
         return dict(common, policy=name, cache_ratio=0.0, enable_hybrid_cache=False, calibrate_rho=False,
                     swap_space=0.0)
-    raise SystemExit(f"--policies: unknown {name!r}; valid: apt apt-open apt-keeplate apt-evictany apt-inturn apt-prev apt-notier apt-kv sarathi fcfs priority")
+    raise SystemExit(f"--policies: unknown {name!r}; valid: apt apt-int4 apt-int8 apt-open apt-keeplate apt-evictany apt-inturn apt-prev apt-notier apt-kv sarathi fcfs priority")
 
 
 def run_engine(args) -> dict:
     from apt_serve_ray import LLM
     from apt_serve_ray.bench.driver import replay
 
-    path = random_checkpoint("opt-125m", args.cache_dir)
-    engines = {name: LLM(path, **engine_options(name, args)) for name in args.policies}
+    path = "smollm2-135m-instruct" if args.model == "smollm2" else random_checkpoint("opt-125m", args.cache_dir)
+    engines = {}
+    for name in args.policies:
+        options = engine_options(name, args)
+        if args.memory_budget_mib:  # one budget for weights and cache: what lighter weights save goes to pages
+            options = {k: v for k, v in options.items() if k not in ("num_pages", "cache_budget_bytes")}
+            options["memory_budget_bytes"] = int(args.memory_budget_mib * 2**20)
+        engines[name] = LLM(path, **options)
+        print(f"{name}: {engines[name].llm_engine.cache_stats().num_pages} pages", flush=True)
     results = {name: [] for name in args.policies}
     calib = {}
     for name, llm in engines.items():
@@ -188,6 +197,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="report: print the tables of --json (with --baseline, goodput ratios against it)")
     p.add_argument("--baseline", default="vllm", help="report: the server goodput ratios are against")
     p.add_argument("--policies", nargs="+", default=["apt", "apt-kv", "sarathi"], help="engine mode")
+    p.add_argument("--model", default="opt-125m", choices=("opt-125m", "smollm2"),
+                   help="engine mode: random OPT-125m, or the default model (SmolLM2-135M-Instruct)")
+    p.add_argument("--memory-budget-mib", type=float, default=None,
+                   help="engine mode: memory_budget_bytes (weights and cache) for every engine instead of --num-pages")
     p.add_argument("--servers", nargs="+", default=["ours", "vllm"], help="serve mode")
     p.add_argument("--rates", nargs="+", type=float, default=[0.25, 0.4, 0.6])
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
@@ -234,7 +247,8 @@ def main(argv=None) -> None:
             print("plots:", *plot({k.split(":", 1)[1]: v["results"] for k, v in runs.items()}, args.out_dir, args.tag))
         return
     # The code that runs: stamped at the start (a commit made while it runs is not its code).
-    header = stamp(threads=args.num_threads, dtype=args.dtype, model="opt-125m (random weights)",
+    header = stamp(threads=args.num_threads, dtype=args.dtype,
+                   model="SmolLM2-135M-Instruct" if args.model == "smollm2" else "opt-125m (random weights)",
                    simulated=False, mode=args.mode)
     out = run_engine(args) if args.mode == "engine" else run_serve(args)
     eff = effective(out["results"])

@@ -166,11 +166,13 @@ def quantize_checkpoint(src: str, dst: str, fmt: str, *, group_size: int = 128, 
     else:  # a GGUF (the default model): its config and tokenizer as transformers reads them
         config = load_config(source).to_dict()
     state = load_state_dict(source, torch.float32)
+    if config.get("tie_word_embeddings", True) and "model.embed_tokens.weight" in state:
+        state.pop("lm_head.weight", None)  # tied: the embedding stands for it (as transformers saves it)
     orders = act_orders(state) if act_order else {}
     out, ref = {}, {}
     for name, tensor in state.items():
         if not is_quantized_layer(name, tensor):
-            out[name], ref[name] = tensor.contiguous(), tensor.contiguous()
+            out[name] = ref[name] = tensor.clone()  # no storage shared with another (safetensors refuses it)
             continue
         k = tensor.shape[1]
         group = group_size if group_size > 0 else k
