@@ -130,8 +130,13 @@ def print_table(report: dict, baseline: str | None) -> None:
             print(f"  {label:24s} {e['90']:7.3f} {e['60']:7.3f}   {att}{ratio}")
 
 
+def served_checkpoint(args) -> str:
+    """--checkpoint (a local folder, e.g. one quantize_checkpoint.py wrote), else --shape's random checkpoint."""
+    return args.checkpoint or random_checkpoint(args.shape, args.cache_dir)
+
+
 def start_spec(args) -> servers.ServerSpec:
-    ckpt, engine, extra = random_checkpoint(args.shape, args.cache_dir), engine_kwargs(args), shlex.split(args.server_args)
+    ckpt, engine, extra = served_checkpoint(args), engine_kwargs(args), shlex.split(args.server_args)
     if args.start == "ours":
         engine.update(policy="apt", light_watermark=1.0, heavy_watermark=1.0, default_ttft_slo_ms=args.ttft_slo_ms,
                       default_tbt_slo_ms=args.tbt_slo_ms)
@@ -146,7 +151,7 @@ def engine_config(args):
 
     engine = engine_kwargs(args)
     engine.update(policy="apt", default_ttft_slo_ms=args.ttft_slo_ms, default_tbt_slo_ms=args.tbt_slo_ms)
-    app = AppArgs.model_validate({"model": random_checkpoint(args.shape, args.cache_dir), **engine})
+    app = AppArgs.model_validate({"model": served_checkpoint(args), **engine})
     config = app.engine_config()
     return config.replace(policy_options=policy_kwargs(app, config) or None)
 
@@ -246,7 +251,10 @@ def main(argv=None) -> int:
                          "--shape say what it serves; ours with watermarks at 1.0 (vLLM has no admission control, "
                          "and a 503 would count as a miss) and the SLOs as its defaults (apt schedules by them); "
                          "engine: ours's engine config in this process, no Serve app or HTTP (--probe-only)")
-    ap.add_argument("--shape", default="opt-125m", help="--start: the random-weight checkpoint served")
+    ap.add_argument("--shape", default="opt-125m", help="--start: the random-weight checkpoint served (its name)")
+    ap.add_argument("--checkpoint", default=None,
+                    help="--start: serve this local folder instead (e.g. quantized by models/quantize_checkpoint.py), "
+                         "named --shape")
     ap.add_argument("--server-args", default="", help="--start: extra server arguments, one string")
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp"), help="--start: the server's log")
     add_cache_dir(ap)

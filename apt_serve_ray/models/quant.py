@@ -14,13 +14,17 @@ What is not quantized: embeddings (a lookup; a tied lm-head shares the embedding
 biases, and the K/V rows of the attention's input projection where the hidden cache kinds need them at
 full width (K/V projected from stored x). The lm-head of an untied model is quantized like the layers.
 
-Speed on this project's CPU (AMD EPYC Zen 5, one thread, bf16 activations; ``benchmarks/quantized_weights.py``,
-docs/benchmarks.md, issue 43), per layer against the bf16 weight prepacked for oneDNN (``linear.Linear``), through
-our kernels (``kernels/csrc/cpu_woq.cpp``, AVX-512 BF16): int8 0.57-0.97x at one row, ~1.0x at 8, 1.25-1.34x at 32,
-~1.47x at 512; int4 0.67-0.96x at one row, 1.3-1.5x at 8, 1.8-2.0x at 32, ~2.3x at 512. Where ours do not
-build, torch's serve (``_weight_int8pack_mm``: 1.9-2.8x at 8-32 rows; ``_weight_int4pack_mm_for_cpu``, faster
-than ours but with d and m + 8d in bf16: see ``Int4Linear``). In float32 torch's kernels run 9-170x full
-width: quantization is refused there. CUDA devices keep full-width weights.
+Speed on this project's CPU (AMD EPYC Zen 5, one thread, bf16 activations; ``benchmarks/quantized_weights.py`` and
+``benchmarks/woq_layers.py``, docs/benchmarks.md, issue 43), per layer against the bf16 weight prepacked for oneDNN
+(``linear.Linear``), through our kernels (``kernels/csrc/cpu_woq.cpp``, AVX-512 BF16): int8 0.57-0.97x at one row,
+~1.0x at 8, 1.25-1.34x at 32; int4 0.67-0.96x at one row, 1.3-1.5x at 8, 1.8-2.0x at 32. From ``WIDEN_ROWS`` rows
+(a prefill chunk) the codes are widened into a bf16 scratch and multiplied by oneDNN's GEMM instead: 1.07-1.32x at
+512 rows (the kernels: 1.4-2.4x). Where ours do not build, torch's serve (``_weight_int8pack_mm``: 1.9-2.8x at 8-32
+rows; ``_weight_int4pack_mm_for_cpu``, faster than ours but with d and m + 8d in bf16: see ``Int4Linear``). In
+float32 torch's kernels run 9-170x full width: quantization is refused there (with ``dtype="auto"`` choosing float32
+on a CPU without native bf16, the weights are served at full width instead, with a warning). CUDA devices keep
+full-width weights. Checkpoints that arrive quantized (GPTQ, AWQ, compressed-tensors) become these layers from
+their codes: ``checkpoint_quant.py``.
 """
 
 from __future__ import annotations

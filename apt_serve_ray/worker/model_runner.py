@@ -81,12 +81,20 @@ class ModelRunner:
         quantization = checked_quantization(config, state, self.dtype, self.device)
         if quantization is None:
             state = dequantize_state(state, self.dtype)
-        if quantization in QUANTIZATIONS and self.dtype == torch.float32:
+        if quantization in QUANTIZATIONS and (self.dtype == torch.float32 or self.device.type != "cpu"):
             # torch's kernels for packed int8 / int4 weights: 9-17x the full-width time at one row in
-            # float32, 80-170x at 32-512 rows (bf16: 0.55-0.6x at one row), models/quant.py
-            raise ValueError(f"quantization: {config.quantization} weights need bfloat16 (or float16) activations; "
-                             f"dtype is float32{' (auto, on this CPU)' if config.dtype == 'auto' else ''}: "
-                             "set dtype=bfloat16")
+            # float32, 80-170x at 32-512 rows (bf16: 0.55-0.6x at one row), models/quant.py; none on a GPU
+            if config.dtype != "auto" and self.dtype == torch.float32:
+                raise ValueError(f"quantization: {config.quantization} weights need bfloat16 (or float16) "
+                                 "activations; dtype is float32: set dtype=bfloat16")
+            if config.device != "auto" and self.device.type != "cpu":
+                raise ValueError("quantization: quantized weights are served on CPU only (no GPU kernel yet)")
+            # dtype / device auto chose float32 (a CPU without native bf16) or a GPU: a config that asks for
+            # int4 by default (serve_config.yaml) still serves, at full width.
+            logger.warning("quantization=%s is served with bfloat16 activations on CPU, and auto chose %s on %s: "
+                           "the weights are served at full width", quantization,
+                           str(self.dtype).removeprefix("torch."), self.device.type)
+            quantization = None
         self.model: DecoderModel = cls(self.hf_config, state, self.device, self.dtype, self.max_model_len,
                                        quantization=quantization)
         del state

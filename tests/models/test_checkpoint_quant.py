@@ -103,3 +103,16 @@ def test_fused_projections_need_one_input_order():
     assert QuantizedWeight.cat([a, a]).codes.shape == (16, 32)
     with pytest.raises(ValueError, match="act-order"):
         QuantizedWeight.cat([a, b])
+
+
+def test_the_default_model_written_as_w8a8_serves_from_its_gguf(smollm2, tmp_path):
+    """quantize_checkpoint takes the shipped GGUF (its config and tokenizer written beside the weights), and the
+    W8A8 checkpoint it writes answers as the model does, teacher-forced."""
+    dst = str(tmp_path / "w8a8")
+    quantize_checkpoint("smollm2-135m-instruct", dst, "w8a8")
+    llm = LLM(dst, dtype="bfloat16", num_pages=64, calibrate_rho=False, enable_watermarks=False)
+    assert isinstance(llm.llm_engine.runner.model.layers[0].gate_up, Int8Linear)
+    ids = llm.get_tokenizer().encode("The capital of France is Paris. Once upon a time, in a village")
+    assert ids == smollm2.get_tokenizer().encode("The capital of France is Paris. Once upon a time, in a village")
+    want = smollm2.llm_engine.prompt_logits(ids).float()
+    assert (llm.llm_engine.prompt_logits(ids).float().argmax(-1) == want.argmax(-1)).float().mean() >= 0.9

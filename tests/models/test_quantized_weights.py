@@ -173,3 +173,18 @@ def test_a_memory_budget_gives_the_cache_what_the_weights_leave(checkpoint):
     assert tensor_bytes(quant.model) < tensor_bytes(full.model) and quant.num_pages > full.num_pages
     with pytest.raises(ValueError, match="memory_budget_bytes"):
         LLM(path, dtype="bfloat16", memory_budget_bytes=1024, calibrate_rho=False)
+
+
+def test_int4_with_dtype_auto_on_a_cpu_without_native_bf16_serves_full_width(checkpoint, monkeypatch, caplog):
+    """serve_config.yaml asks for int4 with dtype auto: where auto means float32 (no native bf16), the model is
+    served at full width with a warning, not refused; an explicit float32 is still refused."""
+    from apt_serve_ray.worker import model_runner
+
+    monkeypatch.setattr(model_runner, "cpu_has_native_bf16", lambda: False)
+    with caplog.at_level("WARNING", logger="apt_serve_ray"):
+        llm = LLM(checkpoint("opt-tiny"), dtype="auto", quantization="int4", num_pages=32, calibrate_rho=False)
+    assert llm.llm_engine.runner.dtype == torch.float32
+    assert not isinstance(llm.llm_engine.runner.model.layers[0].out, (Int4Linear, Int8Linear))
+    assert "served at full width" in caplog.text
+    with pytest.raises(ValueError, match="quantization"):
+        LLM(checkpoint("opt-tiny"), dtype="float32", quantization="int4", num_pages=32)

@@ -14,7 +14,8 @@ CRD = ROOT.parent / "shared" / "schemas" / "ray.io_rayservices.yaml"
 # App arguments that describe the machine, not the application: they may differ between the CPU
 # config (serve_config.yaml) and the GPU cluster (k8s/rayservice.yaml). See k8s/README.md.
 HARDWARE_ARGS = {"num_replicas", "num_cpus_per_replica", "num_gpus_per_replica", "num_threads", "dtype", "device",
-                 "cache_budget_bytes", "num_pages", "max_num_batched_tokens"}
+                 "cache_budget_bytes", "num_pages", "max_num_batched_tokens",
+                 "quantization"}  # weights kept quantized: our CPU kernels (a GPU serves full width)
 
 
 def rayservice() -> dict:
