@@ -50,14 +50,24 @@ def main() -> None:
     for label, (n, k) in SHAPES.items():
         w = torch.randn(n, k).bfloat16()
         full, int4, int8 = Linear(w), Int4Linear(w), Int8Linear(w)
+        scratch = torch.empty(k, int4.packed.shape[0] * 16, dtype=torch.bfloat16)  # as quant._scratch, reused
+
+        def int4_widened(x):
+            ops.woq_int4_dequant_t(int4.packed, int4.dm, scratch)
+            return x @ scratch
+
+        def int8_widened(x):
+            ops.woq_int8_dequant_t(int8.packed, int8.scale32, scratch)
+            return x @ scratch
+
         for m in args.rows:
             x = torch.randn(m, k).bfloat16()
             t = {"full": fastest(lambda: full(x), args.repeats),
                  "int4 kernel": fastest(lambda: ops.woq_int4_linear(x, int4.packed, int4.dm, None, n), args.repeats),
-                 "int4 widened": fastest(lambda: x @ ops.woq_int4_dequant_t(int4.packed, int4.dm), args.repeats),
-                 "int4 widen alone": fastest(lambda: ops.woq_int4_dequant_t(int4.packed, int4.dm), args.repeats),
+                 "int4 widened": fastest(lambda: int4_widened(x), args.repeats),
+                 "int4 widen alone": fastest(lambda: ops.woq_int4_dequant_t(int4.packed, int4.dm, scratch), args.repeats),
                  "int8 kernel": fastest(lambda: ops.woq_int8_linear(x, int8.packed, int8.scale32, None, n), args.repeats),
-                 "int8 widened": fastest(lambda: x @ ops.woq_int8_dequant_t(int8.packed, int8.scale32), args.repeats)}
+                 "int8 widened": fastest(lambda: int8_widened(x), args.repeats)}
             row = {"shape": label, "n": n, "k": k, "rows": m, "full_ms": t["full"] * 1e3,
                    **{key: t[key] / t["full"] for key in t if key != "full"}}
             results.append(row)

@@ -37,10 +37,10 @@ import torch
 from apt_serve_ray.config import QUANTIZATIONS
 INT4_GROUP = 32  # GGUF Q4_0 / Q4_1's block
 # From this many rows (a prefill chunk) our layers widen the weight into a bf16 scratch and multiply it by
-# oneDNN's bf16 GEMM: per layer on this project's CPU (one thread) int4 1.07-1.32x full width at 512 rows against
-# 2.1-2.4x through the kernel, 1.2-1.9x against 2.1-2.3x at 128; int8 1.07-1.39x against 1.42-1.51x at 512, and
-# worse than the kernel at 128 on the largest layers (docs/benchmarks.md, "Weights kept quantized").
-WIDEN_ROWS = {"int4": 128, "int8": 256}
+# oneDNN's bf16 GEMM (``benchmarks/woq_layers.py``, one thread, SmolLM2's and TinyLlama's layer shapes): int4 at 128
+# rows 1.21-1.85x full width against 2.07-2.25x through the kernel, at 512 1.07-1.32x against 2.16-2.33x; int8 at
+# 512 1.06-1.44x against 1.42-1.49x, but at 128 worse than its kernel on TinyLlama's layers (1.92-2.19x, 1.35-1.40x).
+WIDEN_ROWS = {"int4": 128, "int8": 512}
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,8 +144,9 @@ class Int8Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).contiguous()
         if self.packed is not None and len(rows) >= WIDEN_ROWS["int8"] and rows.dtype == torch.bfloat16:
-            y = _widened_product(rows, torch.ops.apt_serve.woq_int8_dequant_t(self.packed, self.scale32), self.bias,
-                                 self.out_features)
+            wt = _scratch(self.packed.shape[1] * 2, self.packed.shape[0] * 16)
+            torch.ops.apt_serve.woq_int8_dequant_t(self.packed, self.scale32, wt)
+            y = _widened_product(rows, wt, self.bias, self.out_features)
         elif self.packed is not None:  # our layout: bf16 activations (the kernel checks)
             y = torch.ops.apt_serve.woq_int8_linear(rows, self.packed, self.scale32, self.bias32, self.out_features)
         else:
@@ -222,8 +223,9 @@ class Int4Linear:
         rows = x.reshape(-1, x.shape[-1])
         rows = rows.index_select(1, self.perm) if self.perm is not None else rows.contiguous()
         if self.dm is not None and len(rows) >= WIDEN_ROWS["int4"] and rows.dtype == torch.bfloat16:
-            y = _widened_product(rows, torch.ops.apt_serve.woq_int4_dequant_t(self.packed, self.dm), self.bias,
-                                 self.out_features)
+            wt = _scratch(self.packed.shape[1] * 2, self.packed.shape[0] * 16)
+            torch.ops.apt_serve.woq_int4_dequant_t(self.packed, self.dm, wt)
+            y = _widened_product(rows, wt, self.bias, self.out_features)
         elif self.dm is not None:  # our layout: bf16 activations (the kernel checks)
             y = torch.ops.apt_serve.woq_int4_linear(rows, self.packed, self.dm, self.bias32, self.out_features)
         else:
@@ -231,6 +233,17 @@ class Int4Linear:
             if self.bias is not None:
                 y += self.bias
         return y.view(*x.shape[:-1], y.shape[-1])
+
+
+_SCRATCH: list[torch.Tensor] = []  # one bf16 buffer the layers widen into, in turn (a forward pass is one thread)
+
+
+def _scratch(k: int, npad: int) -> torch.Tensor:
+    """A [k, npad] bf16 view of the shared scratch, grown to the largest layer widened so far (kept: allocating
+    tens of MB afresh per call faulted in fresh pages, which cost more than the widening on TinyLlama's layers)."""
+    if not _SCRATCH or _SCRATCH[0].numel() < k * npad:
+        _SCRATCH[:] = [torch.empty(k * npad, dtype=torch.bfloat16)]
+    return _SCRATCH[0][: k * npad].view(k, npad)
 
 
 def _widened_product(rows: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:

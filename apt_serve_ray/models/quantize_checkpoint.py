@@ -176,7 +176,7 @@ def quantize_checkpoint(src: str, dst: str, fmt: str, *, group_size: int = 128, 
             continue
         k = tensor.shape[1]
         group = group_size if group_size > 0 else k
-        if k % group or k % 8 or tensor.shape[0] % 8:
+        if fmt != "w8a8" and (k % group or k % 8 or tensor.shape[0] % 8):  # w8a8: per channel, no groups
             raise ValueError(f"group_size: {name} [{tensor.shape[0]}, {k}] is not whole groups of {group} "
                              "(and of 8 inputs and outputs)")
         prefix = name[: -len("weight")]

@@ -254,16 +254,24 @@ inline void store_row16(c10::BFloat16* p, __m512 v) {
 }
 #endif
 
-// packed int8 [N/16, K/2, 16, 2], scale [Npad] float32 -> [K, Npad] bf16.
-at::Tensor woq_int8_dequant_t(const at::Tensor& packed, const at::Tensor& scale) {
+// The scratch [K, Npad] bf16 a widened weight is written into: the caller's (reused from call to call: a fresh
+// allocation of tens of MB is fresh pages, and faulting them in cost more than the widening on a 1.1B model's layers).
+void check_scratch(const at::Tensor& out, int64_t k, int64_t npad, const char* op) {
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.numel() >= k * npad, op,
+              ": out must be a contiguous bf16 scratch of at least ", k * npad, " elements");
+}
+
+// packed int8 [N/16, K/2, 16, 2], scale [Npad] float32 -> out: [K, Npad] bf16 (the first K * Npad elements).
+void woq_int8_dequant_t(const at::Tensor& packed, const at::Tensor& scale, at::Tensor out) {
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kChar, "woq_int8_dequant_t: packed int8");
   const int64_t nb = packed.size(0), kp = packed.size(1), npad = nb * 16;
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == npad, "woq_int8_dequant_t: scale");
-  auto wt = at::empty({2 * kp, npad}, packed.options().dtype(at::kBFloat16));
+  check_scratch(out, 2 * kp, npad, "woq_int8_dequant_t");
+
 #if defined(__AVX512BF16__)
   const int8_t* wp = packed.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
-  auto* out = wt.data_ptr<at::BFloat16>();
+  auto* dst = out.data_ptr<at::BFloat16>();
   at::parallel_for(0, kp, 16, [&](int64_t k0, int64_t k1) {
     for (int64_t b = 0; b < nb; ++b) {
       const __m512 s = _mm512_loadu_ps(sp + b * 16);
@@ -273,29 +281,29 @@ at::Tensor woq_int8_dequant_t(const at::Tensor& packed, const at::Tensor& scale)
         const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
         __m512 t0, t1;
         deinterleave(lo, hi, t0, t1);
-        store_row16(out + (2 * k) * npad + b * 16, _mm512_mul_ps(t0, s));
-        store_row16(out + (2 * k + 1) * npad + b * 16, _mm512_mul_ps(t1, s));
+        store_row16(dst + (2 * k) * npad + b * 16, _mm512_mul_ps(t0, s));
+        store_row16(dst + (2 * k + 1) * npad + b * 16, _mm512_mul_ps(t1, s));
       }
     }
   });
 #else
   TORCH_CHECK(false, "woq_int8_dequant_t: needs AVX-512 BF16 (woq_native() is false here)");
 #endif
-  return wt;
 }
 
-// packed int4 [N/16, K/2, 16] uint8, dm [N/16, K/32, 16, 2] float32 -> [K, Npad] bf16.
-at::Tensor woq_int4_dequant_t(const at::Tensor& packed, const at::Tensor& dm) {
+// packed int4 [N/16, K/2, 16] uint8, dm [N/16, K/32, 16, 2] float32 -> out: [K, Npad] bf16 (the first K * Npad).
+void woq_int4_dequant_t(const at::Tensor& packed, const at::Tensor& dm, at::Tensor out) {
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.size(2) == 16,
               "woq_int4_dequant_t: packed [N/16, K/2, 16] uint8");
   const int64_t nb = packed.size(0), kp = packed.size(1), npad = nb * 16, groups = 2 * kp / 32;
   TORCH_CHECK(2 * kp % 32 == 0 && dm.scalar_type() == at::kFloat && dm.numel() == nb * groups * 32,
               "woq_int4_dequant_t: dm");
-  auto wt = at::empty({2 * kp, npad}, packed.options().dtype(at::kBFloat16));
+  check_scratch(out, 2 * kp, npad, "woq_int4_dequant_t");
+
 #if defined(__AVX512BF16__)
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* dp = dm.data_ptr<float>();
-  auto* out = wt.data_ptr<at::BFloat16>();
+  auto* dst = out.data_ptr<at::BFloat16>();
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       for (int64_t b = 0; b < nb; ++b) {
@@ -309,8 +317,8 @@ at::Tensor woq_int4_dequant_t(const at::Tensor& packed, const at::Tensor& dm) {
           __m512 t0, t1;
           deinterleave(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo4)), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi4)),
                        t0, t1);
-          store_row16(out + (2 * k) * npad + b * 16, _mm512_fmadd_ps(t0, d, m));
-          store_row16(out + (2 * k + 1) * npad + b * 16, _mm512_fmadd_ps(t1, d, m));
+          store_row16(dst + (2 * k) * npad + b * 16, _mm512_fmadd_ps(t0, d, m));
+          store_row16(dst + (2 * k + 1) * npad + b * 16, _mm512_fmadd_ps(t1, d, m));
         }
       }
     }
@@ -318,7 +326,6 @@ at::Tensor woq_int4_dequant_t(const at::Tensor& packed, const at::Tensor& dm) {
 #else
   TORCH_CHECK(false, "woq_int4_dequant_t: needs AVX-512 BF16 (woq_native() is false here)");
 #endif
-  return wt;
 }
 }  // namespace
 
@@ -326,8 +333,8 @@ TORCH_LIBRARY_FRAGMENT(apt_serve, m) {
   m.def("woq_native() -> bool", &woq_native);
   m.def("woq_int8_linear(Tensor x, Tensor packed, Tensor scale, Tensor? bias, int n) -> Tensor");
   m.def("woq_int4_linear(Tensor x, Tensor packed, Tensor dm, Tensor? bias, int n) -> Tensor");
-  m.def("woq_int8_dequant_t(Tensor packed, Tensor scale) -> Tensor");
-  m.def("woq_int4_dequant_t(Tensor packed, Tensor dm) -> Tensor");
+  m.def("woq_int8_dequant_t(Tensor packed, Tensor scale, Tensor(a!) out) -> ()");
+  m.def("woq_int4_dequant_t(Tensor packed, Tensor dm, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(apt_serve, CPU, m) {
