@@ -138,18 +138,6 @@ class LoRAManager:
             self._loads += 1
             self.known[name] = (path, f"{name}#{self._loads}", adapter)
 
-    def add(self, name: str, path: str) -> LoRARef:
-        """Register ``name`` and load it into a free slot (``ValueError`` naming ``max_loras`` when none is)."""
-        with self._lock:
-            if name not in self.known and None not in self.slots:
-                raise ValueError(f"max_loras: all {self.max_loras} adapter slots are in use; unload one first")
-        self.register(name, path)
-        ref = self.load(name, busy_slots=set(range(self.max_loras)))
-        if ref is None:
-            self.unregister(name)
-            raise ValueError(f"max_loras: all {self.max_loras} adapter slots are in use; unload one first")
-        return ref
-
     def load(self, name: str, busy_slots: set[int]) -> LoRARef | None:
         """``name``'s slot, loading it into a free one, else into the least recently used one no request
         holds (``busy_slots``: the slots requests hold), which stays registered; None when every slot is
@@ -219,8 +207,6 @@ class LoRAManager:
             del self.known[name]
             self.last_used.pop(name, None)
             return self.refs.pop(name, None)
-
-    remove = unregister
 
     def release(self, ref: LoRARef) -> None:
         """Free ``ref``'s slot (no request holds it any more, and it was unregistered), zeroing it: a

@@ -38,8 +38,8 @@ from apt_serve_ray.config import QUANTIZATIONS
 INT4_GROUP = 32  # GGUF Q4_0 / Q4_1's block
 # From this many rows (a prefill chunk) our layers widen the weight into a bf16 scratch and multiply it by
 # oneDNN's bf16 GEMM (``benchmarks/woq_layers.py``, one thread, SmolLM2's and TinyLlama's layer shapes): int4 at 128
-# rows 1.21-1.85x full width against 2.07-2.25x through the kernel, at 512 1.07-1.32x against 2.16-2.33x; int8 at
-# 512 1.06-1.44x against 1.42-1.49x, but at 128 worse than its kernel on TinyLlama's layers (1.92-2.19x, 1.35-1.40x).
+# rows 1.18-1.94x full width against 2.09-2.28x through the kernel, at 512 1.07-1.34x against 2.18-2.38x; int8 at
+# 512 1.08-1.45x against 1.44-1.48x, but at 128 worse than its kernel on TinyLlama's layers (1.92-2.25x, 1.36-1.37x).
 WIDEN_ROWS = {"int4": 128, "int8": 512}
 
 
