@@ -16,10 +16,9 @@ full width (K/V projected from stored x). The lm-head of an untied model is quan
 
 Speed on this project's CPU (AMD EPYC Zen 5, one thread, bf16 activations; ``benchmarks/quantized_weights.py`` and
 ``benchmarks/woq_layers.py``, docs/benchmarks.md, issue 43), per layer against the bf16 weight prepacked for oneDNN
-(``linear.Linear``), through our kernels (``kernels/csrc/cpu_woq.cpp``, AVX-512 BF16): int8 0.57-0.97x at one row,
-~1.0x at 8, 1.25-1.34x at 32; int4 0.67-0.96x at one row, 1.3-1.5x at 8, 1.8-2.0x at 32. From ``WIDEN_ROWS`` rows
-(a prefill chunk) the codes are widened into a bf16 scratch and multiplied by oneDNN's GEMM instead: 1.07-1.32x at
-512 rows (the kernels: 1.4-2.4x). Where ours do not build, torch's serve (``_weight_int8pack_mm``: 1.9-2.8x at 8-32
+(``linear.Linear``), through our kernels (``kernels/csrc/cpu_woq.cpp``, AVX-512 BF16): at one row int8 0.47-0.64x,
+int4 0.40-0.58x; at 32 rows int8 1.18-1.33x, int4 1.32-1.54x. From ``WIDEN_ROWS`` rows (a prefill chunk) the
+codes are widened into a bf16 scratch and multiplied by oneDNN's GEMM instead: 1.06-1.40x at 512 rows. Where ours do not build, torch's serve (``_weight_int8pack_mm``: 1.9-2.8x at 8-32
 rows; ``_weight_int4pack_mm_for_cpu``, faster than ours but with d and m + 8d in bf16: see ``Int4Linear``). In
 float32 torch's kernels run 9-170x full width: quantization is refused there (with ``dtype="auto"`` choosing float32
 on a CPU without native bf16, the weights are served at full width instead, with a warning). CUDA devices keep
@@ -37,10 +36,11 @@ import torch
 from apt_serve_ray.config import QUANTIZATIONS
 INT4_GROUP = 32  # GGUF Q4_0 / Q4_1's block
 # From this many rows (a prefill chunk) our layers widen the weight into a bf16 scratch and multiply it by
-# oneDNN's bf16 GEMM (``benchmarks/woq_layers.py``, one thread, SmolLM2's and TinyLlama's layer shapes): int4 at 128
-# rows 1.18-1.94x full width against 2.09-2.28x through the kernel, at 512 1.07-1.34x against 2.18-2.38x; int8 at
-# 512 1.08-1.45x against 1.44-1.48x, but at 128 worse than its kernel on TinyLlama's layers (1.92-2.25x, 1.36-1.37x).
-WIDEN_ROWS = {"int4": 128, "int8": 512}
+# oneDNN's bf16 GEMM (``benchmarks/woq_layers.py``, one thread, SmolLM2's and TinyLlama's layer shapes): at 512 rows
+# int4 1.06-1.33x full width against 1.60-1.74x through the kernel, int8 1.07-1.40x against 1.38-1.49x; at 128 rows
+# widening wins on SmolLM2's layers (int4 1.20-1.34x against 1.64-1.69x) but not on TinyLlama's (1.61-1.95x against
+# 1.57-1.61x; int8 1.89-2.29x against 1.33-1.36x).
+WIDEN_ROWS = {"int4": 256, "int8": 512}
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
