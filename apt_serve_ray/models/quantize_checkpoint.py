@@ -92,12 +92,21 @@ def act_orders(state: dict) -> dict[str, torch.Tensor]:
     return {site: torch.argsort(m, descending=True) for site, m in mass.items()}
 
 
-def gptq_layer(w: torch.Tensor, group: int, perm: torch.Tensor | None) -> tuple[dict, torch.Tensor]:
-    """(qweight, qzeros, scales, g_idx) of one layer (``perm``: act-order's input order, None: none), and the
-    weight they stand for (float32 [N, K])."""
+def _symmetric(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As ``_asymmetric`` with GPTQ's symmetric grid: zero 8, scale 2 absmax / 15 per group."""
+    n, k = w.shape
+    g = w.view(n, k // group, group)
+    scale = (g.abs().amax(-1) * 2 / 15).clamp(min=1e-8).half().float()
+    q = torch.clamp(torch.round(g / scale[..., None]) + 8, 0, 15).view(n, k)
+    return q.to(torch.uint8), scale.T.half().contiguous(), torch.full_like(scale.T, 8, dtype=torch.int64)
+
+
+def gptq_layer(w: torch.Tensor, group: int, perm: torch.Tensor | None, sym: bool = False) -> tuple[dict, torch.Tensor]:
+    """(qweight, qzeros, scales, g_idx) of one layer (``perm``: act-order's input order, None: none; ``sym``:
+    zero 8 everywhere, as vLLM's CPU kernels require), and the weight they stand for (float32 [N, K])."""
     n, k = w.shape
     perm = torch.arange(k) if perm is None else perm
-    q_p, scales, zeros = _asymmetric(w[:, perm], group, min_zero=1)
+    q_p, scales, zeros = _symmetric(w[:, perm], group) if sym else _asymmetric(w[:, perm], group, min_zero=1)
     q = torch.empty_like(q_p)
     q[:, perm] = q_p
     g_idx = torch.empty(k, dtype=torch.int32)
@@ -132,9 +141,9 @@ def w4a16_layer(w: torch.Tensor, group: int) -> tuple[dict, torch.Tensor]:
     return tensors, (q.view(n, -1, group) * scale[..., None]).view(n, k)
 
 
-def quantization_config(fmt: str, group: int, act_order: bool) -> dict:
+def quantization_config(fmt: str, group: int, act_order: bool, sym: bool = False) -> dict:
     if fmt == "gptq":
-        return {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act_order, "sym": False,
+        return {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act_order, "sym": sym,
                 "checkpoint_format": "gptq"}
     if fmt == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm", "zero_point": True}
@@ -149,7 +158,7 @@ def quantization_config(fmt: str, group: int, act_order: bool) -> dict:
 
 
 def quantize_checkpoint(src: str, dst: str, fmt: str, *, group_size: int = 128, act_order: bool = False,
-                        reference: str | None = None) -> dict:
+                        sym: bool = False, reference: str | None = None) -> dict:
     """Write ``src`` quantized as ``fmt`` to ``dst`` (and dequantized to ``reference``); returns the
     quantization_config written."""
     from safetensors.torch import save_file
@@ -158,8 +167,8 @@ def quantize_checkpoint(src: str, dst: str, fmt: str, *, group_size: int = 128, 
 
     if fmt not in FORMATS:
         raise ValueError(f"format: must be one of {FORMATS}, got {fmt!r}")
-    if act_order and fmt != "gptq":
-        raise ValueError("act_order: GPTQ only")
+    if (act_order or sym) and fmt != "gptq":
+        raise ValueError("act_order / sym: GPTQ only")
     source = resolve_model(src)
     if source.gguf_file is None:
         config = json.loads((Path(source.directory) / "config.json").read_text())
@@ -181,11 +190,11 @@ def quantize_checkpoint(src: str, dst: str, fmt: str, *, group_size: int = 128, 
                              "(and of 8 inputs and outputs)")
         prefix = name[: -len("weight")]
         w = tensor.float()
-        tensors, deq = {"gptq": lambda: gptq_layer(w, group, orders.get(input_site(name))), "awq": lambda: awq_layer(w, group),
+        tensors, deq = {"gptq": lambda: gptq_layer(w, group, orders.get(input_site(name)), sym), "awq": lambda: awq_layer(w, group),
                         "w8a8": lambda: w8a8_layer(w), "w4a16": lambda: w4a16_layer(w, group)}[fmt]()
         out.update({prefix + key: value for key, value in tensors.items()})
         ref[name] = deq.contiguous()
-    qconfig = quantization_config(fmt, group_size, act_order)
+    qconfig = quantization_config(fmt, group_size, act_order, sym)
     for folder, tensors, extra in ((dst, out, {"quantization_config": qconfig}), (reference, ref, {})):
         if folder is None:
             continue
@@ -208,10 +217,11 @@ def main(argv=None) -> None:
     p.add_argument("--format", required=True, choices=FORMATS)
     p.add_argument("--group-size", type=int, default=128, help="inputs per group (-1: one per output channel)")
     p.add_argument("--act-order", action="store_true", help="GPTQ: groups over the inputs by decreasing weight")
+    p.add_argument("--sym", action="store_true", help="GPTQ: the symmetric grid (zero 8; vLLM's CPU build needs it)")
     p.add_argument("--reference", default=None, help="also write the dequantized full-width model here")
     args = p.parse_args(argv)
     qconfig = quantize_checkpoint(args.src, args.dst, args.format, group_size=args.group_size,
-                                  act_order=args.act_order, reference=args.reference)
+                                  act_order=args.act_order, sym=args.sym, reference=args.reference)
     print(f"written: {args.dst} ({json.dumps(qconfig)})")
 
 

@@ -15,7 +15,7 @@ from apt_serve_ray.models.quant import Int4Linear, Int8Linear
 from apt_serve_ray.models.quantize_checkpoint import quantize_checkpoint
 
 IDS = list(range(5, 90))
-FORMATS = [("gptq", False), ("gptq", True), ("awq", False), ("w8a8", False), ("w4a16", False)]
+FORMATS = [("gptq", False), ("gptq", True), ("gptq-sym", False), ("awq", False), ("w8a8", False), ("w4a16", False)]
 
 
 def _word(values: list[int]) -> int:
@@ -53,7 +53,9 @@ def test_a_quantized_checkpoint_is_served_in_its_codes(checkpoint, tmp_path, sha
     as closely as bf16 full width's are the full-width model's."""
     src = checkpoint(shape)
     dst, ref = str(tmp_path / "q"), str(tmp_path / "ref")
-    qconfig = quantize_checkpoint(src, dst, fmt, group_size=32, act_order=act_order, reference=ref)
+    sym = fmt == "gptq-sym"
+    fmt = fmt.removesuffix("-sym")
+    qconfig = quantize_checkpoint(src, dst, fmt, group_size=32, act_order=act_order, sym=sym, reference=ref)
     assert json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"] == qconfig
     kw = dict(dtype="bfloat16", num_pages=64, calibrate_rho=False, enable_watermarks=False)
     llm = LLM(dst, **kw)

@@ -183,9 +183,9 @@ def test_more_adapters_than_slots_serve_in_turn_as_with_slots_enough(adapters):
 def test_a_request_waiting_for_a_slot_is_not_overtaken_for_ever(adapters, monkeypatch):
     """Past LORA_FAIR_WAIT_S, a request waiting for an adapter slot lets no later adapter request start
     before it: requests of the adapter in the slot queue behind it, and the slot drains."""
-    from apt_serve_ray.engine import llm_engine
+    from apt_serve_ray.engine import lora_slots
 
-    monkeypatch.setattr(llm_engine, "LORA_FAIR_WAIT_S", 0.0)
+    monkeypatch.setattr(lora_slots, "LORA_FAIR_WAIT_S", 0.0)
     base, made = adapters("opt-tiny")
     llm = LLM(base, dtype="float32", num_pages=128, lora_modules=tuple(f"{n}={p}" for n, (p, _) in made.items()),
               max_loras=1, max_lora_rank=8)
