@@ -510,7 +510,9 @@ FOOTNOTES = [
     "row ran before c4665fc (prefill attention 0.51-0.70x the time a layer, a prefill step 0.76-0.93x) and ebb1db7 "
     "(compute threads bound to cores) and was not re-run; the engine-speed rows' probe repeated its eight "
     "single-stream prompts among the 64 saturated ones (prefix-cache hits for every server alike) until the commit "
-    "after 61ca2f0.",
+    "after 61ca2f0. Every row measured on the default model through `serve_config.yaml` ran it at full width: since "
+    "9fcf3cd the shipped config serves it in int4 (its shipped codes; through Serve TPOT 0.79x, TTFT 1.09x, saturated "
+    "output 0.97x full width's, docs/benchmarks.md), and those rows were not re-run.",
 ]
 
 
