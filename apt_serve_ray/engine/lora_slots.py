@@ -30,7 +30,7 @@ class LoRASlots:
         if request.lora_name is None or request.lora is not None:
             return True
         self._check_lora(request.lora_name)
-        request.lora = self.runner.lora.load(request.lora_name, self._busy_lora_slots())
+        request.lora = self.runner.lora.load(request.lora_name, self._busy_lora_slots)
         return request.lora is not None
 
     def _lora_queue_closed(self) -> bool:
@@ -80,7 +80,7 @@ class LoRASlots:
         its first request); a ``ValueError`` naming the field when it cannot be served."""
         lora = self._lora_manager()
         lora.register(name, path)
-        lora.load(name, self._busy_lora_slots())
+        lora.load(name, self._busy_lora_slots)
 
     def remove_lora(self, name: str) -> None:
         """Unload ``name``: new requests can no longer name it; those running with it finish with it,

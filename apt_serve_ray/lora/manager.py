@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -138,10 +139,10 @@ class LoRAManager:
             self._loads += 1
             self.known[name] = (path, f"{name}#{self._loads}", adapter)
 
-    def load(self, name: str, busy_slots: set[int]) -> LoRARef | None:
+    def load(self, name: str, busy_slots: Callable[[], set[int]]) -> LoRARef | None:
         """``name``'s slot, loading it into a free one, else into the least recently used one no request
-        holds (``busy_slots``: the slots requests hold), which stays registered; None when every slot is
-        busy. The adapter keeps the key it was registered with, so its cached prefixes outlive a reload."""
+        holds (``busy_slots()``: the slots requests hold, asked only when no slot is free), which stays
+        registered; None when every slot is busy. The adapter keeps the key it was registered with, so its cached prefixes outlive a reload."""
         with self._lock:
             ref = self.refs.get(name)
             if ref is None:
@@ -168,11 +169,12 @@ class LoRAManager:
             self.last_used[name] = self._clock
             return ref
 
-    def _free_slot(self, busy_slots: set[int]) -> int | None:
+    def _free_slot(self, busy_slots: Callable[[], set[int]]) -> int | None:
         if None in self.slots:
             return self.slots.index(None)
+        busy = busy_slots()
         idle = [(self.last_used.get(name, 0), slot) for slot, name in enumerate(self.slots)
-                if slot not in busy_slots and self.refs.get(name) is not None and self.refs[name].slot == slot]
+                if slot not in busy and self.refs.get(name) is not None and self.refs[name].slot == slot]
         if not idle:
             return None
         _, slot = min(idle)

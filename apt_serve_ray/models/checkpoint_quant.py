@@ -29,9 +29,10 @@ import logging
 
 import torch
 
+from apt_serve_ray.models.quant import INT4_GROUP, dequantize_int4, natural_order
+
 logger = logging.getLogger("apt_serve_ray")
 
-INT4_GROUP = 32  # our int4 layer's group (quant.INT4_GROUP)
 CHECKPOINT_METHODS = ("gptq", "awq", "compressed-tensors")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ int32 holds column 8c + AWQ_ORDER[i]
 
@@ -67,15 +68,9 @@ class QuantizedWeight:
 
     def dequantize(self) -> torch.Tensor:
         """The weight it stands for, float32 [N, K], inputs in their natural order."""
-        n, k = self.codes.shape
         if self.bits == 8:
             return self.codes.float() * self.scales[:, None]
-        w = (self.codes.view(n, -1, INT4_GROUP).float() * self.scales[..., None] + self.minima[..., None]).view(n, k)
-        if self.perm is None:
-            return w
-        out = torch.empty_like(w)
-        out[:, self.perm] = w
-        return out
+        return natural_order(dequantize_int4(self.codes, self.scales, self.minima), self.perm)
 
     @staticmethod
     def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:

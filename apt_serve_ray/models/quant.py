@@ -74,6 +74,15 @@ def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, minima: torch.Tensor,
     return w.view(n, k)
 
 
+def natural_order(w: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
+    """``w`` [N, K] whose inputs are in the order ``perm`` (an act-order checkpoint's) back in their own."""
+    if perm is None:
+        return w
+    out = torch.empty_like(w)
+    out[:, perm] = w
+    return out
+
+
 @functools.cache
 def native_int8_kernel() -> bool:
     """Whether our int8 kernel (``kernels/csrc/cpu_woq.cpp``: AVX-512 BF16) serves int8 layers here;
@@ -208,10 +217,7 @@ class Int4Linear:
             sz = self.scales_zeros.float()
             reference = ((q.view(n, -1, group_size).float() - 8.0) * sz[..., 0].T[..., None]
                          + sz[..., 1].T[..., None]).view(n, -1)
-        if perm is not None:  # back to the inputs' own order, for the rows kept at full width
-            natural = torch.empty_like(reference)
-            natural[:, perm] = reference
-            reference = natural
+        reference = natural_order(reference, perm)  # the inputs' own order, for the rows kept at full width
         # As ``Int8Linear.kept_rows``: the last rows as the kernel multiplies by them, at full width.
         self.kept_rows = reference[n - keep_rows:].to(dtype) if keep_rows else None
 
