@@ -41,6 +41,7 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -75,7 +76,7 @@ class QueueFull(Exception):
 class AdmissionQueue:
     def __init__(self, max_in_flight: int, max_queued: int, weights: ValueWeights = ADMISSION_WEIGHTS,
                  slack_s: float | None = None, max_wait_s: float = MAX_WAIT_S,
-                 fairness_penalty: float = FAIRNESS_PENALTY) -> None:
+                 fairness_penalty: float = FAIRNESS_PENALTY, clock: Callable[[], float] = time.monotonic) -> None:
         if max_in_flight < 1 or max_queued < 0:
             raise ValueError(f"max_in_flight must be >= 1 and max_queued >= 0, got {max_in_flight}, {max_queued}")
         if not 0.0 < fairness_penalty <= 1.0:
@@ -83,11 +84,13 @@ class AdmissionQueue:
         self.max_in_flight, self.max_queued = max_in_flight, max_queued
         self.weights, self.slack_s, self.max_wait_s = weights, slack_s, max_wait_s
         self.fairness_penalty = fairness_penalty
+        self.clock = clock  # the tickets' arrivals are on it (the fleet simulator's is simulated)
         self.expected_ttft_s = 0.0  # from admission to first token; the router keeps it current
         self.num_in_flight = 0
         self.held = False  # no slot is granted while held (``hold``) ...
         self.pass_below = -math.inf  # ... but to a request of a priority value below this (``hold``)
-        self._waiting: list[tuple[Ticket, asyncio.Future]] = []  # arrival order
+        # Arrival order; each with the call that grants it its slot (False: its caller has gone).
+        self._waiting: list[tuple[Ticket, Callable[[], bool]]] = []
 
     @property
     def num_waiting(self) -> int:
@@ -114,22 +117,38 @@ class AdmissionQueue:
         return self.held and not ticket.priority < self.pass_below and not ticket.passes_hold
 
     async def acquire(self, ticket: Ticket) -> None:
+        future = asyncio.get_running_loop().create_future()
+
+        def grant() -> bool:
+            if future.done():
+                return False
+            future.set_result(None)
+            return True
+
+        if self.offer(ticket, grant):
+            return
+        try:
+            await future
+        except asyncio.CancelledError:
+            entry = next((e for e in self._waiting if e[1] is grant), None)
+            if entry is not None:
+                self._waiting.remove(entry)
+            elif future.done() and not future.cancelled():
+                self.release()  # granted just before the caller went away: pass the slot on
+            raise
+
+    def offer(self, ticket: Ticket, grant: Callable[[], bool]) -> bool:
+        """``acquire`` without asyncio: True when the slot is taken now; else ``ticket`` waits in line
+        (QueueFull when the line is full) and ``grant()`` is called when it gets its slot (returning
+        False when its caller has gone, and the slot passes on). The fleet simulator calls this."""
         if (not self.is_held(ticket) and self.num_in_flight < self.max_in_flight
                 and not any(not self.is_held(t) for t, _ in self._waiting)):
             self.num_in_flight += 1
-            return
+            return True
         if len(self._waiting) >= self.max_queued:
             raise QueueFull(f"{len(self._waiting)} requests are already waiting for admission")
-        entry = (ticket, asyncio.get_running_loop().create_future())
-        self._waiting.append(entry)
-        try:
-            await entry[1]
-        except asyncio.CancelledError:
-            if entry in self._waiting:
-                self._waiting.remove(entry)
-            elif entry[1].done() and not entry[1].cancelled():
-                self.release()  # granted just before the caller went away: pass the slot on
-            raise
+        self._waiting.append((ticket, grant))
+        return False
 
     def release(self) -> None:
         self.num_in_flight -= 1
@@ -161,20 +180,20 @@ class AdmissionQueue:
             eligible = [i for i, (t, _) in enumerate(self._waiting) if not self.is_held(t)]
             if not eligible:
                 return
-            now = time.monotonic()
+            now = self.clock()
             if now - self._waiting[eligible[0]][0].arrival >= self.max_wait_s:
                 best = eligible[0]
             else:
                 scores = self.scores(now)
                 best = eligible[int(np.argmax(scores[eligible]))]  # argmax takes the first of equals: the earliest
-            _, future = self._waiting.pop(best)
-            if not future.done():
-                self.num_in_flight += 1
-                future.set_result(None)
+            _, grant = self._waiting.pop(best)
+            self.num_in_flight += 1
+            if not grant():
+                self.num_in_flight -= 1
 
     def scores(self, now: float | None = None) -> np.ndarray:
         """Density of every waiting request, in arrival order."""
-        now = time.monotonic() if now is None else now
+        now = self.clock() if now is None else now
         tickets = [t for t, _ in self._waiting]
         w = self.weights
         waited = np.array([max(0.0, now - t.arrival) for t in tickets], dtype=np.float64)

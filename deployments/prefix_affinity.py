@@ -47,6 +47,13 @@ class PrefixIndex:
             n += 1
         return n
 
+    def matches(self, hashes: list[int]) -> dict[Hashable, int]:
+        """``match`` for every replica holding the first page (the others match nothing)."""
+        if not hashes:
+            return {}
+        first = hashes[0]
+        return {replica: self.match(replica, hashes) for replica, blocks in self._blocks.items() if first in blocks}
+
     def session_replica(self, session: str | None) -> Hashable | None:
         return self._sessions.get(session) if session else None
 

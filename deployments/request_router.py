@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import math
 import random
-import time
 from typing import List, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -80,6 +79,11 @@ class FitAwareRequestRouter(RequestRouter):
         self.adapter_affinity = adapter_affinity
         self.adapter_routes: dict[ReplicaID, dict[str, float]] = {}  # replica -> {adapter: when routed there}
         self.routed: dict[ReplicaID, dict[str, tuple[float, int]]] = {}  # replica -> {request: (at, pages)}
+        self._where: dict[str, ReplicaID] = {}  # request -> the replica whose ledger holds it
+        # Per replica: its last snapshot and what ranking reads of it (``_snapshot``), and its ledger's
+        # [pages, requests] (kept as entries come and go: ranking reads them for every replica).
+        self._snapshots: dict[ReplicaID, tuple[dict, tuple | None]] = {}
+        self._since: dict[ReplicaID, list[int]] = {}
         self.prefixes = process_index(default_tokens_per_page)  # the router's admission reads it too
 
     async def choose_replicas(
@@ -94,8 +98,15 @@ class FitAwareRequestRouter(RequestRouter):
         if request is None or not candidate_replicas:
             return [candidate_replicas]
         hashes = self.prefixes.block_hashes(request.prompt, request.prefix_salt)
-        matched = {r.replica_id: self.prefixes.match(r.replica_id, hashes) for r in candidate_replicas}
-        keys = {r.replica_id: self.rank_key(r, request, matched[r.replica_id]) for r in candidate_replicas}
+        matched = self.prefixes.matches(hashes)
+        need = {}  # pages by tokens per page (replicas of one model share it)
+        keys = {}
+        for r in candidate_replicas:
+            base = self._snapshot(r)
+            if base is not None and base[4] not in need:
+                need[base[4]] = request_pages(request, base[4], self.horizon)
+            keys[r.replica_id] = self._key(r.replica_id, base, need.get(base[4]) if base else 0,
+                                           matched.get(r.replica_id, 0))
         ranked = sorted(candidate_replicas, key=lambda r: keys[r.replica_id])
         pick = self._affinity(ranked, keys, matched, len(hashes), request.session_id)
         if pick is None and request.lora_name is not None and self.adapter_affinity:
@@ -115,9 +126,9 @@ class FitAwareRequestRouter(RequestRouter):
         home = self.prefixes.session_replica(session)
         candidates = [r for r in ranked if r.replica_id == home] if home is not None else []
         if not candidates and num_blocks:
-            longest = max(matched.values())
+            longest = max((matched.get(r.replica_id, 0) for r in ranked), default=0)
             if longest >= max(1, MIN_MATCH_SHARE * num_blocks):
-                candidates = [r for r in ranked if matched[r.replica_id] == longest]
+                candidates = [r for r in ranked if matched.get(r.replica_id, 0) == longest]
         for r in candidates:
             key = keys[r.replica_id]
             if key[0] == best[0] and key[1] <= best[1] + self.affinity_slack:
@@ -152,46 +163,75 @@ class FitAwareRequestRouter(RequestRouter):
 
     def rank_key(self, replica: RunningReplica, request: EngineRequest, cached_pages: int = 0) -> tuple:
         """``cached_pages``: pages of its prompt the replica probably holds already (no free page needed)."""
-        stats = _load_report(replica)
-        queue_len = self.replica_queue_len_cache.get(replica.replica_id)
-        if stats is None:  # no snapshot yet (a new replica): neither preferred nor avoided
-            return (0, 0.5, queue_len or 0, random.random())
-        need = max(0, request_pages(request, stats.tokens_per_kv_page, self.horizon) - cached_pages)
-        since = self._routed_since(replica.replica_id, stats)
-        free = stats.num_free_pages - stats.num_pending_pages - sum(since)
-        if need > free:
-            return (2, -free, queue_len or 0, random.random())
-        num_seqs = stats.num_running + stats.num_waiting + len(since)
-        load_after = max(1 - (free - need) / stats.num_pages, (num_seqs + 1) / stats.max_num_seqs)
-        return (1 if stats.is_pressured else 0, round(load_after, 3), queue_len or 0, random.random())
+        base = self._snapshot(replica)
+        need = request_pages(request, base[4], self.horizon) if base is not None else 0
+        return self._key(replica.replica_id, base, need, cached_pages)
 
-    def _routed_since(self, replica_id: ReplicaID, stats: LoadReport) -> list[int]:
-        """Pages of the requests sent to a replica that its snapshot does not count; forgets the others.
-        A snapshot that lists what the replica received covers those (and, after ``RECEIVED_WINDOW_S``,
-        any that never arrived); one that does not, everything routed ``IN_TRANSIT_S`` before it."""
-        if stats.received is None:
-            covered = lambda rid, t: t <= stats.time - IN_TRANSIT_S  # noqa: E731
-        else:
-            received = set(stats.received)
-            covered = lambda rid, t: rid in received or t <= stats.time - RECEIVED_WINDOW_S  # noqa: E731
-        entries = {rid: (t, pages) for rid, (t, pages) in self.routed.get(replica_id, {}).items()
-                   if not covered(rid, t)}
-        self.routed[replica_id] = entries
-        return [pages for _, pages in entries.values()]
+    def _key(self, replica_id: ReplicaID, base: tuple | None, need: int, cached_pages: int) -> tuple:
+        queue_len = self.replica_queue_len_cache.get(replica_id) or 0
+        if base is None:  # no snapshot yet (a new replica): neither preferred nor avoided
+            return (0, 0.5, queue_len, random.random())
+        free, num_seqs, num_pages, max_num_seqs, _, pressured = base
+        since_pages, since_requests = self._since.get(replica_id) or (0, 0)
+        need = max(0, need - cached_pages)
+        free -= since_pages
+        if need > free:
+            return (2, -free, queue_len, random.random())
+        load_after = max(1 - (free - need) / num_pages, (num_seqs + since_requests + 1) / max_num_seqs)
+        return (1 if pressured else 0, round(load_after, 3), queue_len, random.random())
+
+    def _snapshot(self, replica: RunningReplica) -> tuple | None:
+        """``(free pages less pending, sequences, pages, max_num_seqs, tokens per page, pressured)`` of the
+        replica's last snapshot (None: none yet), read once per snapshot: a request ranks every replica,
+        and at 256 replicas reading each report and its ledger again per request cost 2-3 ms a request.
+        On a new snapshot the replica's ledger forgets what it covers: a snapshot that lists what the
+        replica received covers those (and, after ``RECEIVED_WINDOW_S``, any that never arrived); one
+        that does not, everything routed ``IN_TRANSIT_S`` before it. (A request routed after a snapshot
+        is never covered by it.)"""
+        replica_id, data = replica.replica_id, replica.routing_stats
+        cached = self._snapshots.get(replica_id)
+        if cached is not None and cached[0] is data:
+            return cached[1]
+        stats = LoadReport.from_dict(data) if data else None
+        base = None
+        if stats is not None:
+            if stats.received is None:
+                covered = lambda rid, t: t <= stats.time - IN_TRANSIT_S  # noqa: E731
+            else:
+                received = set(stats.received)
+                covered = lambda rid, t: rid in received or t <= stats.time - RECEIVED_WINDOW_S  # noqa: E731
+            for rid in [rid for rid, (t, _) in self.routed.get(replica_id, {}).items() if covered(rid, t)]:
+                self._forget(rid)
+            base = (stats.num_free_pages - stats.num_pending_pages, stats.num_running + stats.num_waiting,
+                    stats.num_pages, stats.max_num_seqs, stats.tokens_per_kv_page, stats.is_pressured)
+        self._snapshots[replica_id] = (data, base)
+        return base
+
+    def _forget(self, key: str) -> tuple[float, int] | None:
+        """Take request ``key`` out of the ledger it is in; its entry, or None."""
+        replica_id = self._where.pop(key, None)
+        entry = self.routed.get(replica_id, {}).pop(key, None) if replica_id is not None else None
+        if entry is not None:
+            since = self._since[replica_id]
+            since[0] -= entry[1]
+            since[1] -= 1
+        return entry
 
     def _record(self, pending_request: PendingRequest, replica_id: ReplicaID, request: EngineRequest) -> None:
         key = pending_request.metadata.internal_request_id
-        entry = None
-        for entries in self.routed.values():
-            entry = entries.pop(key, None) or entry
+        entry = self._forget(key)
         if entry is None:
             replica = self.curr_replicas.get(replica_id)
             stats = _load_report(replica) if replica is not None else None
             tokens_per_page = stats.tokens_per_kv_page if stats is not None else self.default_tokens_per_page
-            entry = (time.time(), request_pages(request, tokens_per_page, self.horizon))
+            entry = (self._get_curr_time_s(), request_pages(request, tokens_per_page, self.horizon))
         self.routed.setdefault(replica_id, {})[key] = entry
+        self._where[key] = replica_id
+        since = self._since.setdefault(replica_id, [0, 0])
+        since[0] += entry[1]
+        since[1] += 1
         if request.lora_name is not None:
-            self.adapter_routes.setdefault(replica_id, {})[request.lora_name] = time.time()
+            self.adapter_routes.setdefault(replica_id, {})[request.lora_name] = self._get_curr_time_s()
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         request = _generate_request(pending_request)
@@ -199,7 +239,10 @@ class FitAwareRequestRouter(RequestRouter):
             self._record(pending_request, replica_id, request)  # where it went, if not our first choice
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
-        self.routed.pop(replica_id, None)
+        for key in list(self.routed.pop(replica_id, {})):
+            self._where.pop(key, None)
+        self._since.pop(replica_id, None)
+        self._snapshots.pop(replica_id, None)
         self.adapter_routes.pop(replica_id, None)
         self.prefixes.forget(replica_id)
         super().on_replica_actor_died(replica_id)

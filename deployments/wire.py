@@ -182,6 +182,21 @@ class LoadReport:
     def num_used_pages(self) -> int:
         return self.num_pages - self.num_free_pages
 
+    @classmethod
+    def from_engine(cls, cache, config, *, max_model_len: int, step_time_ms: float, **replica) -> LoadReport:
+        """The report of an engine whose ``cache_stats()`` is ``cache`` and whose ``EngineConfig`` is
+        ``config``; ``replica``: the fields only the replica knows (its ids, clock, pending pages,
+        counts, the controller's pressure flag, the calls received). The engine replica and the fleet
+        simulator's replicas build it here."""
+        pages = cache.pages_by_kind or {"kv": cache.num_kv_pages, "hidden": cache.num_hidden_pages}
+        return cls(num_pages=cache.num_pages, num_free_pages=cache.num_free_pages,
+                   tokens_per_kv_page=cache.kv_tokens_per_page, hidden_allowed=cache.hidden_allowed,
+                   cache_ratio=cache.cache_ratio, num_running=cache.num_running, num_waiting=cache.num_waiting,
+                   max_num_seqs=config.max_num_seqs, max_model_len=max_model_len, step_time_ms=step_time_ms,
+                   seed=config.seed, pages_by_kind=dict(pages), compressed_kinds=tuple(cache.compressed_kinds),
+                   max_running_priority=cache.max_running_priority, loras=tuple(cache.loras[0]),
+                   busy_loras=tuple(cache.loras[1]), max_loras=config.max_loras or 0, **replica)
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 

@@ -186,7 +186,7 @@ def replay(llm_or_engine, trace: list[TraceRequest], *, ttft_slo_ms: float | Non
         bar.close()
     reset(engine)
 
-    timelines = [_timeline(tr, t0, requests.get(prefix + tr.request_id), finals.get(prefix + tr.request_id),
+    timelines = [request_timeline(tr, t0, requests.get(prefix + tr.request_id), finals.get(prefix + tr.request_id),
                            prefix, ttft_slo_ms, tbt_slo_ms) for tr in trace]
     finished = [finals[t.request_id] for t in timelines if t.is_finished]
     kinds: dict[str, int] = {}
@@ -216,7 +216,7 @@ def replay_simulated(sim, trace: list[TraceRequest], *, ttft_slo_ms: float | Non
                   wait_until=sim.clock.advance_to)
 
 
-def _timeline(tr: TraceRequest, t0: float, req, out, prefix: str, ttft_slo_ms, tbt_slo_ms) -> RequestTimeline:
+def request_timeline(tr: TraceRequest, t0: float, req, out, prefix: str, ttft_slo_ms, tbt_slo_ms) -> RequestTimeline:
     """The finished request's timeline from its final output; otherwise what it got before the end."""
     rid = prefix + tr.request_id
     if out is not None and out.error is None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from apt_serve_ray.cache.layout import CacheLayout
 from apt_serve_ray.cache.swap import TransferCost
 from apt_serve_ray.config import EngineConfig
@@ -114,7 +116,9 @@ class CostModelRunner:
     Keeps the last ``SchedulerOutput`` it ran, for tests that look at the decision."""
 
     hf_config = None  # no EOS ids: requests end by length
+    model = None
     vocab_size = 32_000
+    device = torch.device("cpu")  # what calibration's step timing syncs (nothing): ``clock`` times it
 
     def __init__(self, layout: CacheLayout, num_pages: int, max_model_len: int, cost: CostModel,
                  clock: SimulatedClock) -> None:
@@ -160,12 +164,15 @@ class SimulatedEngine:
     time, ``finished`` requests and a record per step."""
 
     def __init__(self, config: EngineConfig, layout: CacheLayout = MHA_LAYOUT, num_pages: int = 100,
-                 cost: CostModel = CostModel(), policy=None, max_model_len: int = 2048) -> None:
+                 cost: CostModel = CostModel(), policy=None, max_model_len: int = 2048,
+                 vocab_size: int | None = None) -> None:
         self.cost = cost
         self.clock = SimulatedClock()
         # The engine would cap the context at the pool's KV capacity anyway; capping here spares the warning.
         max_model_len = min(max_model_len, num_pages * layout.block_size)
         self.runner = CostModelRunner(layout, num_pages, max_model_len, cost, self.clock)
+        if vocab_size is not None:
+            self.runner.vocab_size = vocab_size
         # No model to calibrate on: a policy that needs rho or a step model is given them.
         self.llm_engine = LLMEngine(config.replace(calibrate_rho=False), runner=self.runner, tokenizer=_Tokenizer(),
                                     clock=self.clock)

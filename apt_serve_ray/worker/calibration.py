@@ -307,6 +307,7 @@ def step_time_model(
     repeats: int = 2,
     pool=None,
     rho: KindCalibration | None = None,
+    clock=None,
 ) -> StepTimeModel:
     """Time ``runner.execute`` on KV decode batches (every size x context), single prefill chunks
     from position 0 and chunks deeper in a prompt (``prefill_offsets``: (chunk, start) pairs), and
@@ -314,13 +315,14 @@ def step_time_model(
     model fitted without them predicted held-out mixed steps at 1.01x, P90 1.07x,
     ``benchmarks/step_model_fit.py``), and fit the step-time model. Compositions that do not fit the model's context or the free pages
     are skipped. With ``pool``, pages are borrowed from it and returned; without,
-    the cache must be idle (no request holds pages)."""
+    the cache must be idle (no request holds pages). ``clock``: a runner on a simulated clock
+    (``bench.simulator.CostModelRunner``) is timed on it rather than on this process's."""
     if repeats < 1:
         raise ValueError(f"repeats: must be >= 1, got {repeats}")
     start = time.perf_counter()
     layout, device = runner.layout, runner.device
-    clock = _clock(device)
-    vocab = runner.model.shape.vocab_size
+    clock = clock or _clock(device)
+    vocab = runner.model.shape.vocab_size if runner.model is not None else runner.vocab_size
     free_pages = pool.num_free_pages if pool is not None else runner.num_pages
     compositions: list[tuple[str, list[tuple[int, int]]]] = []  # (name, [(context, new tokens)])
     for ctx in decode_contexts:
@@ -328,10 +330,10 @@ def step_time_model(
             compositions.append((f"decode b={b} ctx={ctx}", [(ctx, 1)] * b))
     for n in prefill_chunk_sizes:
         compositions.append((f"prefill {n}", [(n, n)]))
-    for n, start in prefill_offsets:
-        compositions.append((f"prefill {n} @{start}", [(start + n, n)]))
-    for n, start, b, ctx in mixed:
-        compositions.append((f"prefill {n} @{start} + decode b={b} ctx={ctx}", [(start + n, n)] + [(ctx, 1)] * b))
+    for n, offset in prefill_offsets:  # (not ``start``: that is the wall clock's start)
+        compositions.append((f"prefill {n} @{offset}", [(offset + n, n)]))
+    for n, offset, b, ctx in mixed:
+        compositions.append((f"prefill {n} @{offset} + decode b={b} ctx={ctx}", [(offset + n, n)] + [(ctx, 1)] * b))
 
     def fits(reqs) -> bool:
         return (all(ctx < runner.max_model_len for ctx, _ in reqs)
