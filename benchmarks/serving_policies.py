@@ -25,6 +25,7 @@ from apt_serve_ray.bench import plots
 from apt_serve_ray.bench.driver import measure_unloaded_latency, replay, replay_simulated
 from apt_serve_ray.bench.engine_args import PEER_MATCHED, Default, add_cache_dir, add_engine_args, engine_kwargs, \
     random_checkpoint
+from apt_serve_ray.bench.policy_variants import cache_options, policy_of
 from apt_serve_ray.bench.report import stamp, write_json
 from apt_serve_ray.bench.servers import REPO
 from apt_serve_ray.bench.simulator import CPU_OPT125M, CPU_OPT125M_RHO, calibrated_cost, simulated_engine
@@ -46,25 +47,6 @@ MODES = {
 
 
 # Engines -----------------------------------------------------------------------------------------
-ALL_KINDS = ("hidden", "kv-int8", "hidden-int8")
-
-
-def cache_options(name: str) -> dict:
-    """Cache kinds and ceiling per policy name. ``apt`` / ``apt-kv``: cache_ratio 0 (KV pages only: the
-    ceiling admits no compressed page); ``apt-all[@R]``: every compressed kind under the ceiling R
-    (default 0.5); ``sarathi-int8[@R]``: sarathi giving new requests kv-int8 pages while under R."""
-    base, _, ratio = name.partition("@")
-    if base == "apt-all":
-        return dict(cache_kinds=ALL_KINDS, cache_ratio=float(ratio or 0.5))
-    if base == "sarathi-int8":
-        return dict(cache_kinds=("kv-int8",), cache_ratio=float(ratio or 0.5))
-    return dict(cache_ratio=0.0, enable_hybrid_cache=name == "apt")
-
-
-def policy_of(name: str) -> str:
-    return "apt" if name.startswith("apt") else name.partition("@")[0].removesuffix("-int8")
-
-
 def build_engine(name: str, path: str, args) -> LLM:
     is_apt = name.startswith("apt")
     return LLM(path, **engine_kwargs(args, policy=policy_of(name), calibrate_rho=is_apt, enable_watermarks=False,
