@@ -25,6 +25,7 @@ from apt_serve_ray.scheduler.registry import make_policy
 from apt_serve_ray.scheduler.value import FAIRNESS_PENALTY, MAX_WAIT_S, ValueWeights
 from deployments.admission import ADMISSION_WEIGHTS
 from deployments.auth import resolve_keys
+from deployments.autoscaling import AutoscalingOptions
 from deployments.controller import Controller, ControllerOptions
 from deployments.engine_replica import EngineReplica, ReplicaOptions
 from deployments.request_router import OUTPUT_HORIZON_TOKENS, FitAwareRequestRouter
@@ -42,6 +43,14 @@ def policy_kwargs(args: _AppArgs, config: EngineConfig) -> dict:
     """The engine policy's keyword arguments as every replica gets them (in its ``EngineConfig``):
     ``policy_weights`` over ``policy_options``."""
     return {**(config.policy_options or {}), **args.policy_weights}
+
+
+def replica_scaling(args: _AppArgs, config: EngineConfig) -> dict:
+    """The engine replicas' count as ``EngineReplica.options`` takes it: ``num_replicas``, or with
+    ``autoscaling`` an ``autoscaling_config`` sized on the engine's batch (``max_num_seqs``)."""
+    if args.autoscaling is None:
+        return {"num_replicas": args.num_replicas}
+    return {"autoscaling_config": args.autoscaling.autoscaling_config(config.max_num_seqs)}
 
 
 def admission_weights(args: _AppArgs, config: EngineConfig) -> ValueWeights:
@@ -69,6 +78,10 @@ class _AppArgs(BaseModel):
     tokenizer: Optional[str] = None
     # Replicas and what each one holds (one engine replica per GPU; on CPU, per CPU slot).
     num_replicas: PositiveInt = 1
+    # Or engine replicas that scale (deployments/autoscaling.py): {"max_replicas": N, ...}, between min_replicas
+    # and max_replicas, ahead of the forecast peak of arrivals ("forecast", the default) or on what is in
+    # flight now (Ray Serve's "default" policy). None: num_replicas, fixed.
+    autoscaling: Optional[AutoscalingOptions] = None
     num_routers: PositiveInt = 1
     num_cpus_per_replica: NonNegativeFloat = 1.0
     num_gpus_per_replica: NonNegativeFloat = 0.0
@@ -157,6 +170,17 @@ class _AppArgs(BaseModel):
         ServiceClasses(self.service_classes, self.default_service_class)  # raises naming the field
         return self
 
+    @model_validator(mode="after")
+    def _check_autoscaling(self):
+        if self.autoscaling is not None and "num_replicas" in self.model_fields_set:
+            raise ValueError("num_replicas: a fixed count, and autoscaling scales the same replicas; give one")
+        return self
+
+    @property
+    def max_engine_replicas(self) -> int:
+        """The most engine replicas at once (what the routers' in-flight slots and the CPU plan are for)."""
+        return self.autoscaling.max_replicas if self.autoscaling is not None else self.num_replicas
+
     def engine_config(self) -> EngineConfig:
         """The replicas' engine config. The controller steers the watermarks cluster-wide, so the
         engines' own watermarks are off."""
@@ -229,7 +253,7 @@ def build_app(args: AppArgs | dict) -> Application:
     # router reads the same ones (``policy_kwargs``).
     engine_config = config.replace(policy_options=policy_kwargs(args, config) or None)
     pin = args.pin_cpus and config.num_threads is not None
-    engine_cpus = {"num_engine_replicas": args.num_replicas, "num_threads": config.num_threads} if pin else None
+    engine_cpus = {"num_engine_replicas": args.max_engine_replicas, "num_threads": config.num_threads} if pin else None
     name = args.served_model_name or args.model
     controller = Controller.options(ray_actor_options={"num_cpus": 0}).bind(config, ControllerOptions(
         interval_s=args.control_interval_s, retry_after_s=args.retry_after_s, model=name,
@@ -237,7 +261,7 @@ def build_app(args: AppArgs | dict) -> Application:
         prediction={"horizon_s": args.forecast_horizon_s, "history_s": args.forecast_history_s,
                     "admission_share": args.predictive_admission_share} if args.predictive_control else None))
     engine = EngineReplica.options(
-        num_replicas=args.num_replicas,
+        **replica_scaling(args, config),
         ray_actor_options={"num_cpus": args.num_cpus_per_replica, "num_gpus": args.num_gpus_per_replica},
         max_ongoing_requests=2 * config.max_num_seqs + 16,
         health_check_period_s=args.health_check_period_s,
@@ -252,7 +276,7 @@ def build_app(args: AppArgs | dict) -> Application:
         model_name=name, report_interval_s=args.control_interval_s, pin_cpus=pin,
         stream_interval_s=args.stream_interval_s, stream_items_per_s=args.stream_items_per_s or None,
         tracing_exporter=args.tracing_exporter, mirror_metrics=args.mirror_metrics, engine_client=args.engine_client))
-    max_in_flight = (args.max_in_flight_per_replica or config.max_num_seqs) * args.num_replicas
+    max_in_flight = (args.max_in_flight_per_replica or config.max_num_seqs) * args.max_engine_replicas
     router_options = RouterOptions(
         model=args.model, served_model_name=args.served_model_name, tokenizer=args.tokenizer,
         default_ttft_slo_ms=config.default_ttft_slo_ms, output_horizon_tokens=args.output_horizon_tokens,

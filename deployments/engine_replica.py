@@ -39,6 +39,7 @@ from apt_serve_ray.worker import cpu_affinity
 from apt_serve_ray.engine.process import EngineObservers
 from apt_serve_ray.observability.tracing import finished_spans
 from apt_serve_ray.observability.tracker import plot_memory_timeline
+from deployments.autoscaling import RECEIVED_METRIC
 from deployments.metrics import make_backend, snapshot
 from deployments.streaming import coalesced, stream_interval
 from deployments.wire import RECEIVED_WINDOW_S, EngineRequest, InvalidRequest, Knobs, LoadReport, StreamItem
@@ -267,21 +268,12 @@ class EngineReplica:
         self.engine.check_health()
 
     def load(self) -> LoadReport:
-        cache = self.engine.cache_stats()  # the engine's snapshot after its last step or command
-        pages = cache.pages_by_kind or {"kv": cache.num_kv_pages, "hidden": cache.num_hidden_pages}
-        return LoadReport(
+        return LoadReport.from_engine(
+            self.engine.cache_stats(),  # the engine's snapshot after its last step or command
+            self.engine.config, max_model_len=self.engine.max_model_len, step_time_ms=self.engine.step_time_ms,
             replica_id=self.replica_id, actor_name=self.actor_name, model=self.model, time=time.time(),
-            num_pages=cache.num_pages, num_free_pages=cache.num_free_pages,
-            num_pending_pages=sum(self._pending_pages.values()), tokens_per_kv_page=cache.kv_tokens_per_page,
-            hidden_allowed=cache.hidden_allowed, cache_ratio=cache.cache_ratio,
-            num_running=cache.num_running, num_waiting=cache.num_waiting,
-            max_num_seqs=self.engine.config.max_num_seqs, max_model_len=self.engine.max_model_len,
-            step_time_ms=self.engine.step_time_ms, seed=self.engine.config.seed,
-            num_requests=self.num_requests, num_aborted=self.num_aborted,
-            pages_by_kind=dict(pages), compressed_kinds=tuple(cache.compressed_kinds),
-            is_pressured=self._is_pressured, max_running_priority=cache.max_running_priority,
-            received=self._received_ids(), loras=tuple(cache.loras[0]), busy_loras=tuple(cache.loras[1]),
-            max_loras=self.engine.config.max_loras or 0)
+            num_pending_pages=sum(self._pending_pages.values()), num_requests=self.num_requests,
+            num_aborted=self.num_aborted, is_pressured=self._is_pressured, received=self._received_ids())
 
     def _received_ids(self) -> tuple[str, ...]:
         self._forget_received()
@@ -290,6 +282,11 @@ class EngineReplica:
     def record_routing_stats(self) -> dict:
         """Serve requires a dict here; ``FitAwareRequestRouter`` reads it back as a ``LoadReport``."""
         return self.load().to_dict()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve samples this while the deployment autoscales: the generate calls received so far, a counter
+        the forecast policy turns into arrivals (``deployments/autoscaling.py``)."""
+        return {RECEIVED_METRIC: float(self.num_requests)}
 
     # Observability --------------------------------------------------------------------------------
     def memory_timeline(self, format: str = "png", replica_id: str | None = None) -> bytes | dict:
