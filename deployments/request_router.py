@@ -49,6 +49,8 @@ from __future__ import annotations
 
 import math
 import random
+
+import numpy as np
 from typing import List, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -80,10 +82,11 @@ class FitAwareRequestRouter(RequestRouter):
         self.adapter_routes: dict[ReplicaID, dict[str, float]] = {}  # replica -> {adapter: when routed there}
         self.routed: dict[ReplicaID, dict[str, tuple[float, int]]] = {}  # replica -> {request: (at, pages)}
         self._where: dict[str, ReplicaID] = {}  # request -> the replica whose ledger holds it
-        # Per replica: its last snapshot and what ranking reads of it (``_snapshot``), and its ledger's
-        # [pages, requests] (kept as entries come and go: ranking reads them for every replica).
-        self._snapshots: dict[ReplicaID, tuple[dict, tuple | None]] = {}
-        self._since: dict[ReplicaID, list[int]] = {}
+        # Per replica (by ``unique_id``: a ``ReplicaID`` hashes in Python): its last snapshot and what ranking
+        # reads of it (``_snapshot``), and its ledger's [pages, requests] (kept as entries come and go:
+        # ranking reads them for every replica on every request).
+        self._snapshots: dict[str, tuple[dict, tuple | None]] = {}
+        self._since: dict[str, list[int]] = {}
         self.prefixes = process_index(default_tokens_per_page)  # the router's admission reads it too
 
     async def choose_replicas(
@@ -99,53 +102,73 @@ class FitAwareRequestRouter(RequestRouter):
             return [candidate_replicas]
         hashes = self.prefixes.block_hashes(request.prompt, request.prefix_salt)
         matched = self.prefixes.matches(hashes)
-        need = {}  # pages by tokens per page (replicas of one model share it)
-        keys = {}
-        for r in candidate_replicas:
-            base = self._snapshot(r)
-            if base is not None and base[4] not in need:
-                need[base[4]] = request_pages(request, base[4], self.horizon)
-            keys[r.replica_id] = self._key(r.replica_id, base, need.get(base[4]) if base else 0,
-                                           matched.get(r.replica_id, 0))
-        ranked = sorted(candidate_replicas, key=lambda r: keys[r.replica_id])
+        ranked, keys = self._rank(candidate_replicas, request, matched)
         pick = self._affinity(ranked, keys, matched, len(hashes), request.session_id)
         if pick is None and request.lora_name is not None and self.adapter_affinity:
             pick = self._adapter_pick(ranked, keys, request.lora_name)
         if pick is not None:
-            ranked.remove(pick)
-            ranked.insert(0, pick)
+            ranked.insert(0, ranked.pop(pick))
         self._record(pending_request, ranked[0].replica_id, request)
         self.prefixes.record(ranked[0].replica_id, hashes, request.session_id)
         return [[r] for r in ranked]
 
-    def _affinity(self, ranked: list[RunningReplica], keys: dict, matched: dict, num_blocks: int,
-                  session: str | None) -> RunningReplica | None:
-        """The replica of the request's session, else the one holding the longest prefix of it, if it
-        is in the best group and loaded at most ``affinity_slack`` more than the first (see above)."""
-        best = keys[ranked[0].replica_id]
+    def _rank(self, candidates: list[RunningReplica], request: EngineRequest,
+              matched: dict) -> tuple[list[RunningReplica], list[tuple]]:
+        """The candidates in ``rank_key`` order, and their keys' first two fields in that order. Where
+        every candidate has a snapshot of one page size (the usual case) the keys are computed as arrays:
+        at 256 replicas a key per replica in Python cost ~1.3 ms a request, the arrays ~0.3 ms."""
+        snaps = [self._snapshot(r) for r in candidates]
+        sizes = {b[4] for b in snaps if b is not None}
+        if len(sizes) != 1 or any(b is None for b in snaps):  # a new replica, or models of two page sizes
+            need = {size: request_pages(request, size, self.horizon) for size in sizes}
+            rows = sorted((self._key(r, b, need[b[4]] if b is not None else 0,
+                                     matched.get(r.replica_id, 0) if matched else 0), i)
+                          for i, (r, b) in enumerate(zip(candidates, snaps)))
+            return [candidates[i] for _, i in rows], [key[:2] for key, _ in rows]
+        free, seqs, pages, max_seqs, _, pressured = np.array(snaps, dtype=np.float64).T
+        since = np.array([self._since.get(r.replica_id.unique_id) or (0, 0) for r in candidates], dtype=np.float64)
+        cached = np.array([matched.get(r.replica_id, 0) for r in candidates]) if matched else 0
+        need = np.maximum(0, request_pages(request, sizes.pop(), self.horizon) - cached)
+        free = free - since[:, 0]
+        fits = need <= free
+        load_after = np.maximum(1 - (free - need) / pages, (seqs + since[:, 1] + 1) / max_seqs)
+        group = np.where(fits, pressured, 2.0)
+        second = np.where(fits, np.round(load_after, 3), -free)
+        lens = getattr(self.replica_queue_len_cache, "_cache", None)  # Serve's probes; usually none
+        queue = (np.array([self.replica_queue_len_cache.get(r.replica_id) or 0 for r in candidates])
+                 if lens or lens is None else np.zeros(len(candidates)))
+        order = np.lexsort((np.random.random(len(candidates)), queue, second, group))
+        return [candidates[i] for i in order], list(zip(group[order].tolist(), second[order].tolist()))
+
+    def _affinity(self, ranked: list[RunningReplica], keys: list[tuple], matched: dict, num_blocks: int,
+                  session: str | None) -> int | None:
+        """Where in ``ranked`` the replica of the request's session is, else the one holding the longest
+        prefix of it, if it is in the best group and loaded at most ``affinity_slack`` more than the
+        first (see above); None for the first."""
+        best = keys[0]
         home = self.prefixes.session_replica(session)
-        candidates = [r for r in ranked if r.replica_id == home] if home is not None else []
-        if not candidates and num_blocks:
+        candidates = [i for i, r in enumerate(ranked) if r.replica_id == home] if home is not None else []
+        if not candidates and num_blocks and matched:
             longest = max((matched.get(r.replica_id, 0) for r in ranked), default=0)
             if longest >= max(1, MIN_MATCH_SHARE * num_blocks):
-                candidates = [r for r in ranked if matched.get(r.replica_id, 0) == longest]
-        for r in candidates:
-            key = keys[r.replica_id]
-            if key[0] == best[0] and key[1] <= best[1] + self.affinity_slack:
-                return r
+                candidates = [i for i, r in enumerate(ranked) if matched.get(r.replica_id, 0) == longest]
+        for i in candidates:
+            if keys[i][0] == best[0] and keys[i][1] <= best[1] + self.affinity_slack:
+                return i
         return None
 
-    def _adapter_pick(self, ranked: list[RunningReplica], keys: dict, name: str) -> RunningReplica | None:
-        """The replica for a request of adapter ``name`` (see above), or None for the usual first choice."""
-        best = keys[ranked[0].replica_id]
-        group = [r for r in ranked if keys[r.replica_id][0] == best[0]]
-        states = {r.replica_id: self.adapter_state(r, name) for r in group}
+    def _adapter_pick(self, ranked: list[RunningReplica], keys: list[tuple], name: str) -> int | None:
+        """Where in ``ranked`` the replica for a request of adapter ``name`` is (see above), or None for the
+        usual first choice."""
+        best = keys[0]
+        group = [i for i in range(len(ranked)) if keys[i][0] == best[0]]
+        states = {i: self.adapter_state(ranked[i], name) for i in group}
         for state in (HOLDS, FREE_SLOT, IDLE_SLOT):
-            for r in group:
-                if states[r.replica_id] == state and keys[r.replica_id][1] <= best[1] + self.affinity_slack:
-                    return r
-        if states[ranked[0].replica_id] == MUST_WAIT:
-            return min(group, key=lambda r: states[r.replica_id])  # ranked order breaks ties: least loaded
+            for i in group:
+                if states[i] == state and keys[i][1] <= best[1] + self.affinity_slack:
+                    return i
+        if states[0] == MUST_WAIT:
+            return min(group, key=lambda i: states[i])  # ranked order breaks ties: least loaded
         return None
 
     def adapter_state(self, replica: RunningReplica, name: str) -> int:
@@ -165,14 +188,14 @@ class FitAwareRequestRouter(RequestRouter):
         """``cached_pages``: pages of its prompt the replica probably holds already (no free page needed)."""
         base = self._snapshot(replica)
         need = request_pages(request, base[4], self.horizon) if base is not None else 0
-        return self._key(replica.replica_id, base, need, cached_pages)
+        return self._key(replica, base, need, cached_pages)
 
-    def _key(self, replica_id: ReplicaID, base: tuple | None, need: int, cached_pages: int) -> tuple:
-        queue_len = self.replica_queue_len_cache.get(replica_id) or 0
+    def _key(self, replica: RunningReplica, base: tuple | None, need: int, cached_pages: int) -> tuple:
+        queue_len = self.replica_queue_len_cache.get(replica.replica_id) or 0
         if base is None:  # no snapshot yet (a new replica): neither preferred nor avoided
             return (0, 0.5, queue_len, random.random())
         free, num_seqs, num_pages, max_num_seqs, _, pressured = base
-        since_pages, since_requests = self._since.get(replica_id) or (0, 0)
+        since_pages, since_requests = self._since.get(replica.replica_id.unique_id) or (0, 0)
         need = max(0, need - cached_pages)
         free -= since_pages
         if need > free:
@@ -189,7 +212,7 @@ class FitAwareRequestRouter(RequestRouter):
         that does not, everything routed ``IN_TRANSIT_S`` before it. (A request routed after a snapshot
         is never covered by it.)"""
         replica_id, data = replica.replica_id, replica.routing_stats
-        cached = self._snapshots.get(replica_id)
+        cached = self._snapshots.get(replica_id.unique_id)
         if cached is not None and cached[0] is data:
             return cached[1]
         stats = LoadReport.from_dict(data) if data else None
@@ -204,7 +227,7 @@ class FitAwareRequestRouter(RequestRouter):
                 self._forget(rid)
             base = (stats.num_free_pages - stats.num_pending_pages, stats.num_running + stats.num_waiting,
                     stats.num_pages, stats.max_num_seqs, stats.tokens_per_kv_page, stats.is_pressured)
-        self._snapshots[replica_id] = (data, base)
+        self._snapshots[replica_id.unique_id] = (data, base)
         return base
 
     def _forget(self, key: str) -> tuple[float, int] | None:
@@ -212,7 +235,7 @@ class FitAwareRequestRouter(RequestRouter):
         replica_id = self._where.pop(key, None)
         entry = self.routed.get(replica_id, {}).pop(key, None) if replica_id is not None else None
         if entry is not None:
-            since = self._since[replica_id]
+            since = self._since[replica_id.unique_id]
             since[0] -= entry[1]
             since[1] -= 1
         return entry
@@ -227,7 +250,7 @@ class FitAwareRequestRouter(RequestRouter):
             entry = (self._get_curr_time_s(), request_pages(request, tokens_per_page, self.horizon))
         self.routed.setdefault(replica_id, {})[key] = entry
         self._where[key] = replica_id
-        since = self._since.setdefault(replica_id, [0, 0])
+        since = self._since.setdefault(replica_id.unique_id, [0, 0])
         since[0] += entry[1]
         since[1] += 1
         if request.lora_name is not None:
@@ -241,8 +264,8 @@ class FitAwareRequestRouter(RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         for key in list(self.routed.pop(replica_id, {})):
             self._where.pop(key, None)
-        self._since.pop(replica_id, None)
-        self._snapshots.pop(replica_id, None)
+        self._since.pop(replica_id.unique_id, None)
+        self._snapshots.pop(replica_id.unique_id, None)
         self.adapter_routes.pop(replica_id, None)
         self.prefixes.forget(replica_id)
         super().on_replica_actor_died(replica_id)
