@@ -17,7 +17,9 @@
 #   2. decode steps at 7B and 13B layer shapes (two layers of OPT-6.7B / OPT-13B, random weights, bf16):
 #      KV vs hidden pages, fused vs unfused hidden decode, int8 KV, Triton vs the PyTorch path;
 #   3. an engine probe on a whole OPT-1.3B-shape model (bf16): one stream (TTFT, TPOT), then 64 at once
-#      (tokens/s), Triton attention vs the PyTorch path.
+#      (tokens/s), Triton attention vs the PyTorch path;
+#   4. the fleet simulator's GPU cost model predicting every step of 2 and 3 (benchmarks/gpu_cost_check.py:
+#      predicted, measured, ratio; cost_model_check.json): which of its efficiency factors to move.
 # Results land in ${OUT:-out}/gpu_check/: pytest log, decode_step_*.json, probe.json, summary.txt.
 # Not covered: CUDA graphs (none are captured; whether decode needs them is what step 2's small-batch
 # rows show), multi-GPU, the Serve app on a GPU node (docs/serving.md, "On a GPU").
@@ -143,4 +145,6 @@ if f.exists():
         print(f"  {r['backend']:>7s}: TTFT {r['ttft_ms']:7.1f} ms  TPOT {r['tpot_ms']:6.2f} ms  "
               f"saturated {r['saturated_tok_s']:8.1f} tok/s")
 EOF
+# 4. the fleet simulator's GPU cost model (apt_serve_ray/bench/gpu_cost.py) against the steps above
+$PYTHON benchmarks/gpu_cost_check.py "$dest" | tee -a "$dest/summary.txt" || status=1
 exit $status

@@ -67,3 +67,24 @@ def test_the_policy_gets_the_costs_the_engine_would_measure(a100):
     for name, tokens, context, seconds, _ in model.points:  # each timed shape is the cost model's
         assert seconds > 0
     assert sim.runner.vocab_size == a100.shape.vocab_size
+
+
+def test_gpu_cost_check_puts_the_prediction_beside_each_measured_step(tmp_path):
+    """benchmarks/gpu_cost_check.py, as gpu_check.sh runs it on a lent GPU's output."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    rows = [{"config": c, "batch": b, "context": 512, "step_ms": 5.0, "dtype": "bfloat16"}
+            for c in ("torch kv", "fast kv", "fast hidden fused", "fast kv-int8") for b in (1, 32)]
+    (tmp_path / "decode_step_13b.json").write_text(json.dumps({"device": "NVIDIA H100 80GB HBM3", "rows": rows}))
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "benchmarks/gpu_cost_check.py", str(tmp_path)], cwd=repo,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    result = json.loads((tmp_path / "cost_model_check.json").read_text())["rows"]
+    assert len(result) == 6 and {r["device"] for r in result} == {"h100-80gb"}  # the reference path is skipped
+    cost = gpu_cost.GpuCostModel(gpu_cost.device("h100-80gb"), gpu_cost.model_shape("opt-13b-2l"))
+    hidden = next(r for r in result if r["config"] == "fast hidden fused" and r["batch"] == 32)
+    assert hidden["predicted_ms"] == pytest.approx(1000 * cost.decode_s(32, 512, CacheKind.HIDDEN))
+    assert hidden["measured_over_predicted"] == pytest.approx(5.0 / hidden["predicted_ms"])
