@@ -3,6 +3,7 @@
 
     python benchmarks/fleet_sim.py scale [--replicas 1 4 16 64 256] [--json docs/benchmarks/fleet/scale.json]
     python benchmarks/fleet_sim.py autoscale [--json docs/benchmarks/fleet/autoscale.json]
+    python benchmarks/fleet_sim.py router [--replicas 16 64 256 1024] [--json docs/benchmarks/fleet/router.json]
 
 Both run ``deployments/fleet.py``: the real engines (``apt`` or ``fcfs``), ``FitAwareRequestRouter``, the
 router's admission line and ``ClusterControl`` on one simulated clock; wall time per routing decision is
@@ -13,7 +14,10 @@ Serve's default policy and ours (``deployments/autoscaling.py``), each run the w
 it (``deployments/fleet_scaling.py``: its wrapper and delays, metrics 6-16 s late), at several
 ``target_ongoing_requests``; per run replica-hours, attainment over all requests and over those arriving
 at the peaks; ours against the default's interpolated at the same replica-hours. SLOs: TTFT
-``--ttft-slo-ms``, P99 gap ``--tbt-slo-ms`` for every request.
+``--ttft-slo-ms``, P99 gap ``--tbt-slo-ms`` for every request. ``router``: the request router alone,
+``FitAwareRequestRouter.choose_replicas`` for 2,000 requests over N replicas' snapshots (free pages and
+sequences at random), with Serve's queue-length cache filled for every replica (as ``enable_strict_max_
+ongoing_requests``, on by default, fills it on every send) and empty; CPU milliseconds a request.
 """
 
 from __future__ import annotations
@@ -82,6 +86,56 @@ def scale(args, cost) -> dict:
                   f"goodput {row['goodput']:7.1f}/s  router {row['router_ms_mean']:.3f} ms (p99 "
                   f"{row['router_ms_p99']:.3f})  wall {wall:5.0f}s for {res.duration_s:.0f} s simulated", flush=True)
     _plot_scale(rows, args.out_dir / "fleet_scale.png")
+    return {"rows": rows}
+
+
+def router(args) -> dict:
+    import random
+    from types import SimpleNamespace
+
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
+
+    from apt_serve_ray.sampling.params import SamplingParams
+    from deployments.fleet import _run
+    from deployments.prefix_affinity import PrefixIndex
+    from deployments.request_router import FitAwareRequestRouter
+    from deployments.wire import EngineRequest, LoadReport
+
+    deployment, rng, rows = DeploymentID(name="EngineReplica", app_name="bench"), random.Random(args.seed), []
+    for n in args.replicas:
+        for filled in (True, False):
+            now = [1000.0]
+            r = FitAwareRequestRouter(deployment, DeploymentHandleSource.UNKNOWN, get_curr_time_s=lambda: now[0])
+            r.initialize_state()
+            r.prefixes = PrefixIndex()
+            views = []
+            for i in range(n):
+                report = LoadReport(
+                    replica_id=f"r{i}", actor_name="a", model="m", time=999.0, num_pages=3775,
+                    num_free_pages=rng.randint(100, 3000), num_pending_pages=0, tokens_per_kv_page=16,
+                    hidden_allowed=True, cache_ratio=0.0, num_running=rng.randint(0, 100), num_waiting=0,
+                    max_num_seqs=256, max_model_len=2048, step_time_ms=30.0, seed=0, num_requests=0, num_aborted=0,
+                    received=())
+                views.append(SimpleNamespace(replica_id=ReplicaID(unique_id=f"r{i}", deployment_id=deployment),
+                                             routing_stats=report.to_dict()))
+                r._replicas[views[-1].replica_id] = views[-1]
+                if filled:
+                    r.replica_queue_len_cache.update(views[-1].replica_id, rng.randint(0, 50))
+            cpu = []
+            for k in range(2000):
+                request = EngineRequest([k + 1] + [7] * rng.randint(50, 600), SamplingParams(max_tokens=200),
+                                        request_id=f"q{k}")
+                pending = SimpleNamespace(args=(request,), kwargs={}, routing_context=SimpleNamespace(should_backoff=False),
+                                          metadata=SimpleNamespace(call_method="generate", internal_request_id=f"q{k}"))
+                t = time.thread_time()
+                _run(r.choose_replicas(views, pending))
+                cpu.append(time.thread_time() - t)
+                now[0] += 0.001
+            ms = np.array(cpu) * 1000
+            rows.append({"replicas": n, "queue_lengths": "filled" if filled else "empty", "mean_ms": float(ms.mean()),
+                         "p50_ms": float(np.median(ms)), "p99_ms": float(np.percentile(ms, 99))})
+            print(f"  {n:5d} replicas, queue lengths {rows[-1]['queue_lengths']:6s}: {rows[-1]['mean_ms']:.3f} ms CPU "
+                  f"a request (p50 {rows[-1]['p50_ms']:.3f}, p99 {rows[-1]['p99_ms']:.3f})", flush=True)
     return {"rows": rows}
 
 
@@ -195,7 +249,7 @@ def _plot_replicas(name, shape, runs, path) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["scale", "autoscale"])
+    ap.add_argument("what", choices=["scale", "autoscale", "router"])
     ap.add_argument("--device", default="a100-80gb", choices=gpu_cost.devices())
     ap.add_argument("--model", default="opt-13b", choices=gpu_cost.models())
     ap.add_argument("--ttft-slo-ms", type=float, default=1000.0)
@@ -222,7 +276,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     cost = gpu_cost.GpuCostModel(gpu_cost.device(args.device), gpu_cost.model_shape(args.model))
-    result = scale(args, cost) if args.what == "scale" else autoscale(args, cost)
+    result = {"scale": lambda: scale(args, cost), "autoscale": lambda: autoscale(args, cost),
+              "router": lambda: router(args)}[args.what]()
     if args.json:
         header = stamp(threads=1, dtype="bfloat16", model=f"{args.model} (cost model)", simulated=True,
                        device=args.device, what=args.what)

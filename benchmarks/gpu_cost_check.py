@@ -35,7 +35,10 @@ def device_of(name: str, given: str | None) -> str:
 
 
 def kind_of(config: str) -> CacheKind:
-    return next(kind for key, kind in sorted(KINDS.items(), key=lambda kv: -len(kv[0])) if key in config)
+    for key, kind in sorted(KINDS.items(), key=lambda kv: -len(kv[0])):  # "kv-int8" before "kv"
+        if key in config:
+            return kind
+    raise ValueError(f"config: no cache kind in {config!r}; known: {sorted(KINDS)}")
 
 
 def compare(dest: Path, given: str | None) -> dict:
@@ -76,7 +79,7 @@ def main(argv=None) -> int:
     for r in result["rows"]:
         ratio = r["measured_over_predicted"]
         print(f"  {r['check']:16s} {r['config']:22s} B={r['batch']:<3d} ctx={r['context']:<5d} predicted "
-              f"{r['predicted_ms']:8.2f}  measured {r['measured_ms']:8.2f}  x{ratio:.2f}" if ratio else "")
+              f"{r['predicted_ms']:8.2f}  measured {r['measured_ms']:8.2f}  x" + (f"{ratio:.2f}" if ratio else "-"))
     (args.dest / "cost_model_check.json").write_text(json.dumps(result, indent=1) + "\n")
     return 0
 

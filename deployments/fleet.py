@@ -79,9 +79,10 @@ class _Replica:
     draining: bool = False
     stepping: bool = False
     received: deque = field(default_factory=deque)  # (time, request id)
-    requests: dict = field(default_factory=dict)  # request id -> (TraceRequest, the engine's Request)
+    requests: dict = field(default_factory=dict)  # request id -> (TraceRequest, the engine's Request, admitted at)
     pressured: bool = False
     num_received: int = 0  # generate calls so far (``EngineReplica.record_autoscaling_stats``)
+    answered: set = field(default_factory=set)  # requests with a first token (the router's TTFT average)
 
     @property
     def busy(self) -> bool:
@@ -118,6 +119,8 @@ class FleetSimulator:
         self.arrivals = ArrivalCount("fleet", 0, 0, 0)
         self.arrival_log: deque[float] = deque()  # arrival times of the last minute (autoscaling policies)
         self.num_decisions = 0  # the controller's
+        self._replica_log: list[tuple[float, int, int]] = []
+        self._unroutable: deque[TraceRequest] = deque()  # admitted while no replica serves: Serve's handle queues them
 
     # Replicas -------------------------------------------------------------------------------------
     def add_replica(self, delay_s: float = 0.0) -> _Replica:
@@ -127,6 +130,7 @@ class FleetSimulator:
                      self.clock.now + delay_s)
         self.replicas[rid.unique_id] = r
         self._push(r.up_at, "up", r)
+        self._note_replicas()
         return r
 
     def serving(self) -> list[_Replica]:
@@ -148,6 +152,7 @@ class FleetSimulator:
             idle_first = sorted(live, key=lambda r: (r.up_at <= self.clock.now, r.sim.scheduler.num_unfinished))
             for r in (starting + [r for r in idle_first if r not in starting])[: len(live) - wanted]:
                 r.draining = True
+                self._note_replicas()
                 self._maybe_leave(r)
 
     def _maybe_leave(self, r: _Replica) -> None:
@@ -163,30 +168,33 @@ class FleetSimulator:
         r = up[index % len(up)]
         del self.replicas[r.rid.unique_id]
         self.router.on_replica_actor_died(r.rid)
-        for tr, req in r.requests.values():  # their clients see the stream end with an error
+        for tr, req, _ in r.requests.values():  # their clients see the stream end with an error
             self._finish(tr, None, req, error="replica died")
             self.admission.release()
         self.add_replica(self.settings.startup_s)  # Serve replaces it
-        self._note_replicas()
 
     # Events ---------------------------------------------------------------------------------------
     def _push(self, t: float, kind: str, data=None) -> None:
         heapq.heappush(self._events, (t, next(self._seq), kind, data))
 
     def run(self, trace: list[TraceRequest], until_s: float | None = None) -> FleetResult:
+        """Every request of ``trace`` to its end (or ``until_s``, default an hour after the last arrival:
+        requests still unfinished then end as "unfinished")."""
         s = self.settings
-        self.admission = AdmissionQueue(max_in_flight=1 << 30, max_queued=s.max_queued, clock=self.clock)
-        self._pending: dict[str, tuple[TraceRequest, float]] = {}
         self._finals: dict[str, RequestTimeline] = {}
         self._router_s: list[float] = []
-        self._replica_log: list[tuple[float, int, int]] = []
         for _ in range(s.num_replicas):
             self.add_replica()
+        engine = next(iter(self.replicas.values())).sim
+        self._tokens_per_page = engine.cache.layout.block_size
+        # The router's in-flight slots, as the app sizes them: every replica's max_num_seqs, for the most replicas.
+        self._max_in_flight = engine.config.max_num_seqs * s.max_replicas
+        self.admission = AdmissionQueue(self._max_in_flight, s.max_queued, clock=self.clock)
         for tr in trace:
             self._push(tr.arrival_s, "arrive", tr)
         for t, index in s.failures:
             self._push(t, "fail", index)
-        end = until_s if until_s is not None else math.inf
+        end = until_s if until_s is not None else max((tr.arrival_s for tr in trace), default=0.0) + 3600.0
         for kind, period in (("stats", s.routing_stats_period_s), ("control", s.control_interval_s)):
             self._push(0.0, kind, period)
         if self.autoscaler is not None:
@@ -213,6 +221,8 @@ class FleetSimulator:
             self._refresh(r)
             self.router._replicas[r.rid] = r.view  # what update_replicas does, without actor handles
             self._note_replicas()
+            while self._unroutable:
+                self._route(self._unroutable.popleft())
 
     def _on_stats(self, period: float) -> None:
         for r in self.serving():
@@ -226,14 +236,22 @@ class FleetSimulator:
         if self.control is not None:
             self.control.observe_arrivals(self.arrivals, now)
             self.arrivals = ArrivalCount("fleet", 0, 0, 0)
-            for r in self.serving():
-                knobs = self.control.report(self._report(r), now)
-                r.sim.llm_engine.adjust_cache_ratio(knobs.cache_ratio)
-                r.pressured = knobs.is_pressured
+            reports = []
+            for r in self.replicas.values():  # draining ones too: their memory is still in use
+                if r.up_at <= now:
+                    reports.append(self._report(r))
+                    knobs = self.control.report(reports[-1], now)
+                    r.sim.llm_engine.adjust_cache_ratio(knobs.cache_ratio)
+                    r.pressured = knobs.is_pressured
             self.num_decisions += len(self.control.step(now))
-            held = not self.control.cluster.admit
-            if held != self.admission.held:
-                self.admission.hold(held)
+            # What the router's poll does with the controller's state (router.py, _poll_controller).
+            limit = max(1, round(self._max_in_flight * self.control.admission_limit))
+            if limit != self.admission.max_in_flight:
+                self.admission.resize(limit)
+            running = [x.max_running_priority for x in reports if x.max_running_priority is not None]
+            held, pass_below = not self.control.cluster.admit, float(max(running)) if running else -math.inf
+            if (held, pass_below) != (self.admission.held, self.admission.pass_below):
+                self.admission.hold(held, pass_below)
         self._push(now + period, "control", period)
 
     def _on_scale(self, period: float) -> None:
@@ -249,24 +267,26 @@ class FleetSimulator:
         self.arrival_log.append(now)
         self.arrivals = ArrivalCount("fleet", self.arrivals.num_requests + 1, self.arrivals.num_prompt_tokens + tr.prompt_len,
                                      self.arrivals.num_output_tokens + tr.output_len)
-        pages = math.ceil((tr.prompt_len + min(tr.output_len, self.settings.output_horizon_tokens)) / 16)
+        pages = request_pages(_engine_request(tr), self._tokens_per_page, self.settings.output_horizon_tokens)
         ticket = Ticket(pages, (tr.ttft_slo_ms or 1e9) / 1000, tr.priority, arrival=now)
         start = time.perf_counter()
         try:
-            if self.admission.offer(ticket, lambda: self._route(tr) or True):
+            # A slot granted later is routed as an event of its own: routing inside the grant could end a
+            # request (refused), release its slot and grant the next, one inside the other.
+            if self.admission.offer(ticket, lambda: self._push(self.clock.now, "route", tr) or True):
                 self._route(tr, start)
         except QueueFull:
             self._finish(tr, None, None, error="queue full")
 
+    def _on_route(self, tr: TraceRequest) -> None:
+        self._route(tr)
+
     def _route(self, tr: TraceRequest, start: float | None = None) -> None:
         start = time.perf_counter() if start is None else start
-        request = EngineRequest(list(tr.prompt_token_ids or [7] * tr.prompt_len),
-                                SamplingParams(max_tokens=tr.output_len, ignore_eos=True), request_id=tr.request_id,
-                                priority=tr.priority, ttft_slo_ms=tr.ttft_slo_ms, tbt_slo_ms=tr.tbt_slo_ms)
+        request = _engine_request(tr)
         candidates = [r.view for r in self.serving()]
         if not candidates:
-            self._finish(tr, None, None, error="no replica")
-            self.admission.release()
+            self._unroutable.append(tr)  # until a replica is up
             return
         pending = SimpleNamespace(args=(request,), kwargs={}, routing_context=SimpleNamespace(should_backoff=False),
                                   metadata=SimpleNamespace(call_method="generate", internal_request_id=tr.request_id))
@@ -280,7 +300,7 @@ class FleetSimulator:
         try:
             r.requests[tr.request_id] = (tr, r.sim.llm_engine.add_request(
                 list(request.prompt), request.sampling, tr.request_id, ttft_slo_ms=tr.ttft_slo_ms,
-                tbt_slo_ms=tr.tbt_slo_ms, priority=tr.priority))
+                tbt_slo_ms=tr.tbt_slo_ms, priority=tr.priority), self.clock.now)
         except ValueError as exc:  # the engine refuses it (too long for its context): a 400 to its client
             self._finish(tr, None, None, error=f"invalid: {exc}")
             self.admission.release()
@@ -298,8 +318,16 @@ class FleetSimulator:
         engine = r.sim.llm_engine
         outputs = engine.step()
         for out in outputs:
-            if out.finished and out.request_id in r.requests:
-                tr, req = r.requests.pop(out.request_id)
+            entry = r.requests.get(out.request_id)
+            if entry is None:
+                continue
+            tr, req, admitted = entry
+            if req.token_times and out.request_id not in r.answered:
+                r.answered.add(out.request_id)
+                self.admission.observe_ttft(req.token_times[0] - admitted)  # as the router times it
+            if out.finished:
+                del r.requests[out.request_id]
+                r.answered.discard(out.request_id)
                 self._finish(tr, out, req)
                 self.admission.release()
         if r.busy:
@@ -323,9 +351,8 @@ class FleetSimulator:
         engine, now = r.sim.llm_engine, self.clock.now
         while r.received and r.received[0][0] < now - RECEIVED_WINDOW_S:
             r.received.popleft()
-        tpp = engine.cache.layout.block_size
-        pending = sum(math.ceil(q.num_prompt_tokens / tpp) for q in engine.scheduler.waiting
-                      if q.num_computed_tokens == 0)
+        tpp = self._tokens_per_page  # prompts received and not answered yet, as the replica counts them
+        pending = sum(-(-len(req.prompt_token_ids) // tpp) + 1 for _, req, _ in r.requests.values() if not req.token_times)
         return LoadReport.from_engine(
             engine.cache_stats(), engine.config, max_model_len=engine.runner.max_model_len, step_time_ms=0.0,
             replica_id=r.rid.unique_id, actor_name=r.rid.unique_id, model="sim", time=now,
@@ -334,6 +361,12 @@ class FleetSimulator:
 
     def _refresh(self, r: _Replica) -> None:
         r.view.routing_stats = self._report(r).to_dict()
+
+
+def _engine_request(tr: TraceRequest) -> EngineRequest:
+    return EngineRequest(list(tr.prompt_token_ids or [7] * tr.prompt_len),
+                         SamplingParams(max_tokens=tr.output_len, ignore_eos=True), request_id=tr.request_id,
+                         priority=tr.priority, ttft_slo_ms=tr.ttft_slo_ms, tbt_slo_ms=tr.tbt_slo_ms)
 
 
 def _run(coroutine):

@@ -116,7 +116,8 @@ class FitAwareRequestRouter(RequestRouter):
               matched: dict) -> tuple[list[RunningReplica], list[tuple]]:
         """The candidates in ``rank_key`` order, and their keys' first two fields in that order. Where
         every candidate has a snapshot of one page size (the usual case) the keys are computed as arrays:
-        at 256 replicas a key per replica in Python cost ~1.3 ms a request, the arrays ~0.3 ms."""
+        at 256 replicas a key per replica in Python cost ~1.3 ms a request (``benchmarks/fleet_sim.py
+        router``). Both paths round the load alike (``test_serve_request_router.py`` holds them together)."""
         snaps = [self._snapshot(r) for r in candidates]
         sizes = {b[4] for b in snaps if b is not None}
         if len(sizes) != 1 or any(b is None for b in snaps):  # a new replica, or models of two page sizes
@@ -133,10 +134,9 @@ class FitAwareRequestRouter(RequestRouter):
         fits = need <= free
         load_after = np.maximum(1 - (free - need) / pages, (seqs + since[:, 1] + 1) / max_seqs)
         group = np.where(fits, pressured, 2.0)
-        second = np.where(fits, np.round(load_after, 3), -free)
-        lens = getattr(self.replica_queue_len_cache, "_cache", None)  # Serve's probes; usually none
-        queue = (np.array([self.replica_queue_len_cache.get(r.replica_id) or 0 for r in candidates])
-                 if lens or lens is None else np.zeros(len(candidates)))
+        second = np.where(fits, np.floor(load_after * 1000 + 0.5) / 1000, -free)  # the rounding ``_key`` does
+        lengths = self.replica_queue_len_cache  # Serve's (filled on every send where it is on, the default)
+        queue = np.array([lengths.get(r.replica_id) or 0 for r in candidates])
         order = np.lexsort((np.random.random(len(candidates)), queue, second, group))
         return [candidates[i] for i in order], list(zip(group[order].tolist(), second[order].tolist()))
 
@@ -201,7 +201,7 @@ class FitAwareRequestRouter(RequestRouter):
         if need > free:
             return (2, -free, queue_len, random.random())
         load_after = max(1 - (free - need) / num_pages, (num_seqs + since_requests + 1) / max_num_seqs)
-        return (1 if pressured else 0, round(load_after, 3), queue_len, random.random())
+        return (1 if pressured else 0, math.floor(load_after * 1000 + 0.5) / 1000, queue_len, random.random())
 
     def _snapshot(self, replica: RunningReplica) -> tuple | None:
         """``(free pages less pending, sequences, pages, max_num_seqs, tokens per page, pressured)`` of the
@@ -244,9 +244,9 @@ class FitAwareRequestRouter(RequestRouter):
         key = pending_request.metadata.internal_request_id
         entry = self._forget(key)
         if entry is None:
-            replica = self.curr_replicas.get(replica_id)
-            stats = _load_report(replica) if replica is not None else None
-            tokens_per_page = stats.tokens_per_kv_page if stats is not None else self.default_tokens_per_page
+            snapshot = self._snapshots.get(replica_id.unique_id)
+            base = snapshot[1] if snapshot is not None else None
+            tokens_per_page = base[4] if base is not None else self.default_tokens_per_page
             entry = (self._get_curr_time_s(), request_pages(request, tokens_per_page, self.horizon))
         self.routed.setdefault(replica_id, {})[key] = entry
         self._where[key] = replica_id
@@ -261,14 +261,25 @@ class FitAwareRequestRouter(RequestRouter):
         if request is not None:
             self._record(pending_request, replica_id, request)  # where it went, if not our first choice
 
+    def update_replicas(self, replicas: List[RunningReplica]) -> None:
+        """Serve's new set of replicas: what this router kept about the ones gone (a scale-down drains a
+        replica without ``on_replica_actor_died``) goes with them."""
+        keep = {r.replica_id for r in replicas}
+        for replica_id in [r for r in self.curr_replicas if r not in keep]:
+            self._drop(replica_id)
+        super().update_replicas(replicas)
+
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        self._drop(replica_id)
+        super().on_replica_actor_died(replica_id)
+
+    def _drop(self, replica_id: ReplicaID) -> None:
         for key in list(self.routed.pop(replica_id, {})):
             self._where.pop(key, None)
         self._since.pop(replica_id.unique_id, None)
         self._snapshots.pop(replica_id.unique_id, None)
         self.adapter_routes.pop(replica_id, None)
         self.prefixes.forget(replica_id)
-        super().on_replica_actor_died(replica_id)
 
 
 def _generate_request(pending_request: Optional[PendingRequest]) -> EngineRequest | None:

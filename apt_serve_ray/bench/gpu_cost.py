@@ -6,14 +6,19 @@ the published figures they were set to meet). One step of ``SchedulerOutput`` ch
     linears    max(2 P T / (F e_c),  W / (B e_m))                P: linear parameters, T: tokens,
     lm head    max(2 d V R / (F e_c), d V b / (B e_m))           W = P b: weight bytes, R: rows sampled
     attention  max(4 d L pairs / (F e_c), cache bytes read / (B e_a))   pairs: query-key pairs
-    recompute  max(4 d kv L H / (F e_c), H d L b / (B e_m))      H: hidden-kind context (K/V projected again)
+    recompute  4 d kv L H / (F e_c) + 2 d kv L b / (B e_m)       H: hidden-kind context (K/V projected
+                                                                 again; its x bytes are in the cache read)
     host       step_overhead + per_seq_overhead x rows
 
 each term as the slower of its compute and its memory traffic (F: peak FLOP/s, B: memory bytes/s,
 e: the share of each the kernels reach), summed: the kernels of one step run one after another. A
 decode row reads its whole context's cache in its kind (KV: 2 kv L b bytes a token; hidden: d L b,
 and its K/V projected again; the int8 kinds: their bytes with scales, ``CacheLayout``); a prefill
-chunk's attention is its query-key pairs. Swaps move pages over the host link (``pcie_bw``).
+chunk's attention is its query-key pairs. The recompute reads W_k and W_v once a step (a fused kernel
+that streamed them per request, as the Triton one does per program, would read them once a row: a
+bound the L2 cache decides, which ``gpu_check.sh`` measures). The int8 kinds are priced by their bytes
+alone: dequantising in the kernel is taken as free beside the bytes it saves (so the policy is given
+0 s a page for them). Swaps move pages over the host link (``pcie_bw``).
 
 ``GpuCostModel`` is what ``simulator.CostModelRunner`` takes as its cost (``step_time(chunks)`` and the
 swap prices), and ``step_costs`` gives the adaptive policy what the engine would measure at start on
@@ -69,6 +74,7 @@ class ModelShape:
     ffn_size: int
     vocab_size: int
     gated_mlp: bool = False
+    tied_embeddings: bool = True  # the lm head is the embedding matrix (OPT); False: a matrix of its own
     dtype_bytes: int = 2
 
     @property
@@ -88,8 +94,9 @@ class ModelShape:
 
     @property
     def weight_bytes(self) -> int:
-        """Every weight held on the device (linears, embeddings, lm head tied to them)."""
-        return (self.linear_params + self.vocab_size * self.hidden_size) * self.dtype_bytes
+        """Every weight held on the device (linears, embeddings, and the lm head where it is not tied)."""
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tied_embeddings else 2)
+        return (self.linear_params + embeddings) * self.dtype_bytes
 
     def layout(self, block_size: int = BLOCK_SIZE) -> CacheLayout:
         return CacheLayout(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
@@ -174,7 +181,8 @@ class GpuCostModel:
         linears = max(2 * s.linear_params * tokens / flops_s, self._weights_s)
         head = max(2 * d * s.vocab_size * sampled / flops_s, self._head_bytes_s) if sampled else 0.0
         attention = max(4 * d * L * pairs / flops_s, read / (dev.mem_bw * dev.attn_mem_eff))
-        recompute = 4 * d * s.kv_dim * L * hidden / flops_s  # its x bytes are counted in ``read``
+        recompute = (4 * d * s.kv_dim * L * hidden / flops_s  # its x bytes are counted in ``read``
+                     + (2 * d * s.kv_dim * L * b / (dev.mem_bw * dev.mem_eff) if hidden else 0.0))
         return attention + linears + head + recompute + dev.step_overhead_s + dev.per_seq_overhead_s * len(rows)
 
     # Tables ---------------------------------------------------------------------------------------

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 ALL_KINDS = ("hidden", "kv-int8", "hidden-int8")
 BASES = ("fcfs", "sarathi", "priority", "apt", "apt-kv", "apt-hidden", "apt-all", "sarathi-int8")
+RATIOED = ("apt-hidden", "apt-all", "sarathi-int8")
 
 
 def cache_options(name: str) -> dict:
     """``EngineConfig`` fields of the variant ``name`` (see above)."""
-    base, _, ratio = name.partition("@")
-    if base not in BASES:
-        raise ValueError(f"policy: unknown variant {name!r}; valid: {list(BASES)} (the last three take @RATIO)")
+    base, at, ratio = name.partition("@")
+    if base not in BASES or at and base not in RATIOED:
+        raise ValueError(f"policy: unknown variant {name!r}; valid: {list(BASES)} ({', '.join(RATIOED)} take @RATIO)")
     if base == "apt-all":
         return dict(cache_kinds=ALL_KINDS, cache_ratio=float(ratio or 0.5))
     if base == "apt-hidden":

@@ -20,3 +20,8 @@ def test_each_variant_is_an_engine_config(name, policy, kinds, ratio):
 def test_an_unknown_variant_is_refused_by_name():
     with pytest.raises(ValueError, match="apt-turbo"):
         cache_options("apt-turbo")
+
+
+def test_a_ratio_on_a_variant_that_takes_none_is_refused():
+    with pytest.raises(ValueError, match="apt@0.3"):
+        cache_options("apt@0.3")

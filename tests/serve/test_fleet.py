@@ -116,3 +116,25 @@ def test_settings_name_the_bad_field():
         FleetSettings(startup_s=-1)
     with pytest.raises(ValueError, match="control_interval_s"):
         FleetSettings(control_interval_s=0)
+
+
+def test_requests_arriving_while_no_replica_serves_wait_for_the_next():
+    """One replica fails: its requests end with an error, and what arrives while its replacement
+    starts waits for it (as at Serve's handle), then finishes."""
+    settings = FleetSettings(num_replicas=1, failures=((1.0, 0),), startup_s=3.0)
+    sim = FleetSimulator(make_engine(), settings, CONTROL)
+    reqs = trace(60, 15.0)
+    res = sim.run(reqs)
+    late = [t for r, t in zip(reqs, res.timelines) if 1.0 < r.arrival_s < 4.0]
+    assert late and all(t.is_finished and t.first_token_s >= 4.0 for t in late)
+    assert all(t.error in (None, "replica died") for t in res.timelines)
+    assert sim.admission.num_in_flight == 0
+
+
+def test_replica_hours_count_replicas_from_when_they_are_asked_for():
+    sim = FleetSimulator(make_engine(), FleetSettings(num_replicas=1, startup_s=10.0, max_replicas=4), CONTROL,
+                         autoscaler=lambda fleet: 3 if fleet.clock.now < 5 else 1)
+    res = sim.run(trace(40, 4.0))
+    # Two more asked for at 1 s (the first autoscaling tick), drained before they ever served.
+    assert (1.0, 3, 1) in res.replicas
+    assert res.replica_seconds > res.duration_s + 2 * 3.0

@@ -203,3 +203,33 @@ async def test_a_conversation_sticks_to_its_replica():
     other = "a" if first == "b" else "b"
     remaining = [r for r in (a, b) if r.name == other]
     assert (await choose(router, remaining, pending(30, rid="t9", session="alice")))[0] == other
+
+
+def test_the_array_ranking_orders_as_the_per_replica_keys_do():
+    """``_rank``'s arrays (every replica with a snapshot) and ``rank_key`` (the per-replica path) agree:
+    the same (group, load) keys in the same order, loads rounded alike (half-way values included)."""
+    import random as rnd
+
+    rng = rnd.Random(7)
+    replicas = [FakeReplica(f"r{i}", stats(free=rng.randint(0, 128), running=rng.randint(0, 15),
+                                           pending=rng.randint(0, 8), pressured=rng.random() < 0.2))
+                for i in range(40)]
+    replicas.append(FakeReplica("half", stats(free=64, pages=128, running=0)))  # load 0.5 + need: exact thirds
+    router = make_router(*replicas)
+    for tokens in (16, 300, 900, 2500):
+        request = engine_request(tokens, rid=f"q{tokens}")
+        ranked, keys = router._rank(replicas, request, {})
+        expected = sorted(router.rank_key(r, request)[:2] for r in replicas)
+        assert keys == [tuple(map(float, k)) for k in expected]
+        assert [router.rank_key(r, request)[:2] for r in ranked] == expected
+
+
+@pytest.mark.asyncio
+async def test_a_replica_scaled_down_leaves_nothing_behind_in_the_router():
+    a, b = FakeReplica("a", stats(free=60)), FakeReplica("b", stats(free=60))
+    router = make_router(a, b)
+    router._record(pending(100, rid="x"), a.replica_id, engine_request(100, rid="x"))
+    router.prefixes.record(a.replica_id, router.prefixes.block_hashes([5] * 64))
+    router.update_replicas([b])
+    assert a.replica_id not in router.routed and "x" not in router._where
+    assert router.prefixes.num_blocks(a.replica_id) == 0 and "a" not in router._since
