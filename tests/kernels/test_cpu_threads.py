@@ -48,8 +48,9 @@ def test_bind_threads_puts_each_compute_thread_on_its_own_cpu():
         q = torch.randn(37, 4, 64)
         kv = torch.randn(8, 16, 2, 4, 64)
         table = torch.randperm(8).to(torch.int32)
-        out = ca.prefill_attention(q, kv[:, :, 0], kv[:, :, 1], table, 40, 0.125)
-        assert torch.isfinite(out).all()
+        if ca.prefill_supported(64, torch.float32):  # AVX-512 builds; an AVX2 build binds threads all the same
+            out = ca.prefill_attention(q, kv[:, :, 0], kv[:, :, 1], table, 40, 0.125)
+            assert torch.isfinite(out).all()
         print("ok")
     """)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
