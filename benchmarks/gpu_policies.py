@@ -77,7 +77,8 @@ def run_workload(workload: str, cost, args, costs: dict) -> dict:
     eff = {p: effective_at(a) for p, a in attainment.items()}
     title = f"{workload}, {cost.shape.name} on {cost.dev.name} (simulated): TTFT < {slo['ttft_ms']:.0f} ms, " \
             f"P99 gap < {slo['tbt_ms']:.0f} ms"
-    plots.plot_attainment(attainment, args.out_dir / f"gpu_attainment_{workload}_{cost.dev.name}.png", title=title)
+    tag = f"{workload}_{cost.shape.name}_{cost.dev.name}_tbt{args.tbt_scale:g}"  # runs of other settings keep theirs
+    plots.plot_attainment(attainment, args.out_dir / f"gpu_attainment_{tag}.png", title=title)
     return {"slo": slo, "rates": list(rates), "attainment": attainment, "effective_throughput": eff, "runs": runs}
 
 
