@@ -64,7 +64,8 @@ def main(argv=None) -> int:
     ap.add_argument("--high", type=float, default=4.0)
     ap.add_argument("--period-s", type=float, default=90.0)
     ap.add_argument("--periods", type=int, default=4)
-    ap.add_argument("--startup-s", type=float, default=20.0, help="a CPU replica: engine process, load, calibration")
+    ap.add_argument("--startup-s", type=float, default=45.0,
+                    help="a CPU replica: its actor, engine process, load, calibration (38-48 s measured here)")
     ap.add_argument("--target", type=float, default=4.0, help="target_ongoing_requests per replica")
     ap.add_argument("--ttft-slo-ms", type=float, default=2000.0)
     ap.add_argument("--tbt-slo-ms", type=float, default=500.0)
@@ -77,6 +78,9 @@ def main(argv=None) -> int:
     from deployments.app import build_app
 
     model = random_checkpoint("opt-125m", dtype="float32")
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(model).vocab_size  # the checkpoint's (our tokenizer's), not OPT's
     shape = workloads.OnOff(a.low, a.high, a.period_s, duty=1 / 3)
     n = max(8, int(shape.mean_rate * a.period_s * a.periods))
     base = workloads.make_shaped_trace("humaneval", n, shape, seed=a.seed, max_output_len=64, max_model_len=1024)
@@ -84,12 +88,12 @@ def main(argv=None) -> int:
     with local_serve(2) as port:
         url = f"http://127.0.0.1:{port}/v1/completions"
         for policy in a.policies:
-            trace = workloads.fresh_ids(base, 50272, a.seed, shape.mean_rate, run=policy)
+            trace = workloads.fresh_ids(base, vocab, a.seed, shape.mean_rate, run=policy)
             args = {"model": model, "num_threads": 1, "num_cpus_per_replica": 0.5, "dtype": "float32",
                     "max_num_seqs": 16, "control_interval_s": 0.5, "routing_stats_period_s": 0.5,
                     "autoscaling": {"policy": policy, "min_replicas": 1, "max_replicas": 2,
                                     "target_ongoing_requests": a.target, "startup_s": a.startup_s, "lead_s": 15,
-                                    "downscale_delay_s": a.period_s / 2, "season_s": a.period_s,
+                                    "downscale_delay_s": a.period_s, "season_s": a.period_s,
                                     "history_s": a.period_s * a.periods}}
             started = time.perf_counter()
             serve.run(build_app(args), name=APP, route_prefix="/")
