@@ -530,7 +530,8 @@ def fleet(b: Bench) -> Row:
             "cache is never chosen (hidden decode projects K/V again: "
             f"{num(tight['cost_model']['rho_ms_per_page'])} ms a page a step on OPT-13B); the router's time inside the "
             f"fleet (wall, admission and prompt hashing included, on a busy box) {num(big['router_ms_mean'])} ms; no GPU "
-            "has checked the cost model; the app's autoscaling not yet shown through Serve on this CPU")
+            "has checked the cost model; the app's autoscaling through Serve on this CPU shown only in part (docs: the "
+            "replica up ahead of the peaks, but ~2% attainment in both policies' runs, not diagnosed)")
     on = measured_on(machine(tight["machine"]), "simulated A100-80GB (cost model), bf16 weights", day(tight["date"]))
     return Row(what, figure, lose, on, "`benchmarks/gpu_policies.py` (`--tbt-scale 25`, `--model opt-30b`), "
                f"`benchmarks/fleet_sim.py autoscale` / `router` / `scale` (issue 31; {jpath(*rels)})")
