@@ -117,7 +117,7 @@ class FleetSimulator:
         self._seq = itertools.count()
         self.admission: AdmissionQueue | None = None
         self.arrivals = ArrivalCount("fleet", 0, 0, 0)
-        self.arrival_log: deque[float] = deque()  # arrival times of the last minute (autoscaling policies)
+        self._built: dict[str, EngineRequest] = {}  # admitted or waiting for a slot, not routed yet
         self.num_decisions = 0  # the controller's
         self._replica_log: list[tuple[float, int, int]] = []
         self._unroutable: deque[TraceRequest] = deque()  # admitted while no replica serves: Serve's handle queues them
@@ -231,8 +231,6 @@ class FleetSimulator:
 
     def _on_control(self, period: float) -> None:
         now = self.clock.now
-        while self.arrival_log and self.arrival_log[0] < now - 60.0:
-            self.arrival_log.popleft()
         if self.control is not None:
             self.control.observe_arrivals(self.arrivals, now)
             self.arrivals = ArrivalCount("fleet", 0, 0, 0)
@@ -264,10 +262,10 @@ class FleetSimulator:
     # Requests -------------------------------------------------------------------------------------
     def _on_arrive(self, tr: TraceRequest) -> None:
         now = self.clock.now
-        self.arrival_log.append(now)
         self.arrivals = ArrivalCount("fleet", self.arrivals.num_requests + 1, self.arrivals.num_prompt_tokens + tr.prompt_len,
                                      self.arrivals.num_output_tokens + tr.output_len)
-        pages = request_pages(_engine_request(tr), self._tokens_per_page, self.settings.output_horizon_tokens)
+        self._built[tr.request_id] = request = _engine_request(tr)  # once: _route takes it from here
+        pages = request_pages(request, self._tokens_per_page, self.settings.output_horizon_tokens)
         ticket = Ticket(pages, (tr.ttft_slo_ms or 1e9) / 1000, tr.priority, arrival=now)
         start = time.perf_counter()
         try:
@@ -276,6 +274,7 @@ class FleetSimulator:
             if self.admission.offer(ticket, lambda: self._push(self.clock.now, "route", tr) or True):
                 self._route(tr, start)
         except QueueFull:
+            self._built.pop(tr.request_id)
             self._finish(tr, None, None, error="queue full")
 
     def _on_route(self, tr: TraceRequest) -> None:
@@ -283,11 +282,11 @@ class FleetSimulator:
 
     def _route(self, tr: TraceRequest, start: float | None = None) -> None:
         start = time.perf_counter() if start is None else start
-        request = _engine_request(tr)
         candidates = [r.view for r in self.serving()]
         if not candidates:
             self._unroutable.append(tr)  # until a replica is up
             return
+        request = self._built.pop(tr.request_id)
         pending = SimpleNamespace(args=(request,), kwargs={}, routing_context=SimpleNamespace(should_backoff=False),
                                   metadata=SimpleNamespace(call_method="generate", internal_request_id=tr.request_id))
         ranked = _run(self.router.choose_replicas(candidates, pending))
