@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ from apt_serve_ray.bench.slo_metrics import RequestTimeline
 from apt_serve_ray.bench.workloads import TraceRequest
 from apt_serve_ray.sampling.params import SamplingParams
 from deployments.admission import AdmissionQueue, QueueFull, Ticket
+from deployments.admission_gate import steer
 from deployments.cluster_control import ClusterControl, ControlSettings
 from deployments.prefix_affinity import PrefixIndex
 from deployments.request_router import FitAwareRequestRouter, request_pages
@@ -242,14 +242,9 @@ class FleetSimulator:
                     r.sim.llm_engine.adjust_cache_ratio(knobs.cache_ratio)
                     r.pressured = knobs.is_pressured
             self.num_decisions += len(self.control.step(now))
-            # What the router's poll does with the controller's state (router.py, _poll_controller).
-            limit = max(1, round(self._max_in_flight * self.control.admission_limit))
-            if limit != self.admission.max_in_flight:
-                self.admission.resize(limit)
-            running = [x.max_running_priority for x in reports if x.max_running_priority is not None]
-            held, pass_below = not self.control.cluster.admit, float(max(running)) if running else -math.inf
-            if (held, pass_below) != (self.admission.held, self.admission.pass_below):
-                self.admission.hold(held, pass_below)
+            # What the router's poll does with the controller's state (admission_gate.steer).
+            steer(self.admission, self._max_in_flight, self.control.admission_limit, not self.control.cluster.admit,
+                  (x.max_running_priority for x in reports))
         self._push(now + period, "control", period)
 
     def _on_scale(self, period: float) -> None:

@@ -10,6 +10,7 @@ One request's way through it:
    ``Retry-After``; with "refuse", 503 + ``Retry-After`` at once;
 3. wait for an in-flight slot in the score-ordered admission queue (429 when that line is full; the
    controller narrows the slots to ``admission_limit`` of them while it forecasts a peak over heavy);
+   steps 2 and 3 are ``admission_gate.py``'s, whose rule the fleet simulator shares;
 4. stream ``StreamItem``s from an engine replica (``FitAwareRequestRouter`` picks it) and assemble them
    into OpenAI responses or server-sent events ending with ``data: [DONE]`` (``responses.py``).
 
@@ -29,7 +30,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import math
 import time
 from typing import Literal, Optional
 
@@ -49,7 +49,8 @@ from apt_serve_ray.observability.tracing import configure_tracing, finished_span
 from apt_serve_ray.scheduler.value import ValueWeights
 from deployments import openai_protocol as oai
 from deployments import auth, responses
-from deployments.admission import AdmissionQueue, QueueFull
+from deployments.admission import AdmissionQueue
+from deployments.admission_gate import AdmissionGate
 from deployments.affinity import keep_off_engine_cpus
 from deployments.metrics import RouterMetrics, make_backend, snapshot
 from deployments.lora_registry import AdapterRegistry
@@ -148,7 +149,9 @@ class Router:
         self.tracer = provider.get_tracer("deployments.router") if provider is not None else None
         self.link = ControllerLink(controller, self.replica_id, options.poll_interval_s,
                                    options.output_horizon_tokens)
-        self._poller = asyncio.create_task(self._poll_controller())
+        self.gate = AdmissionGate(self.admission, self.link, options.max_in_flight, options.heavy_watermark_action,
+                                  options.poll_interval_s, on_rejected=lambda: self.metrics.outcome("rejected"))
+        self._poller = asyncio.create_task(self.gate.poll(lambda state: self._sync_adapters(state.adapters)))
 
     # HTTP -----------------------------------------------------------------------------------------
     @api.post("/v1/completions", openapi_extra=oai.openapi_body(oai.CompletionRequest))
@@ -241,7 +244,7 @@ class Router:
 
     async def _http(self, request: Request, chat: bool):
         try:
-            self._refuse_if_saturated()
+            self.gate.refuse_if_saturated()
             body = await read_body(request, self.options.max_request_body_bytes)
             prepared = await self.prepare(body, chat, request.headers.get(HEADER), request.headers.get(SESSION_HEADER))
             opened = await self._open(prepared)
@@ -327,38 +330,6 @@ class Router:
             self._limits = ModelLimits.from_load(await self.engine.load.remote())
         return self._limits
 
-    # The controller's state -----------------------------------------------------------------------
-    async def _poll_controller(self) -> None:
-        while True:
-            state = await self.link.poll()
-            if state is not None:
-                limit = max(1, round(self.options.max_in_flight * state.admission_limit))
-                if limit != self.admission.max_in_flight:
-                    self.admission.resize(limit)
-            if state is not None:
-                self._sync_adapters(state.adapters)
-            held = self.holds_when_closed and not self.link.is_admission_open()  # a silent controller: not held
-            pass_below = self._least_important_running()
-            if (held, pass_below) != (self.admission.held, self.admission.pass_below):
-                self.admission.hold(held, pass_below)
-            await asyncio.sleep(self.options.poll_interval_s)
-
-    def _least_important_running(self) -> float:
-        """The largest priority value running on any replica (-inf: none): over the heavy watermark, an
-        arrival more important than it is not held, since its replica may displace that request."""
-        state = self.link.state
-        values = [r.max_running_priority for r in (state.replicas.values() if state is not None else ())
-                  if r.max_running_priority is not None]
-        return float(max(values)) if values else -math.inf
-
-    @property
-    def holds_when_closed(self) -> bool:
-        return self.options.heavy_watermark_action == "hold"
-
-    def refuses_at_once(self) -> bool:
-        """Admission is closed and this router answers 503 at once ("refuse") instead of holding."""
-        return not self.holds_when_closed and not self.link.is_admission_open()
-
     # Admission and the engine call ----------------------------------------------------------------
     async def _generate(self, prepared: Prepared):
         """Engine items for one request, after admission, in a "router.request" span when tracing."""
@@ -385,45 +356,6 @@ class Router:
                 span.set_attribute("request.outcome", outcome)
                 span.end()
 
-    def _closed(self) -> oai.APIError:
-        return oai.APIError("the server is at its memory limit and admits no new requests; retry later",
-                            status=503, type="server_overloaded", code="admission_closed",
-                            retry_after_s=self.link.retry_after_s())
-
-    def _queue_full(self, why: str) -> oai.APIError:
-        return oai.APIError(f"too many requests are waiting: {why}; retry later", status=429,
-                            type="rate_limit_exceeded", code="queue_full", retry_after_s=self.link.retry_after_s())
-
-    def _refuse_if_saturated(self) -> None:
-        """Refuse an HTTP request before its body is read, parsed and tokenised when it would be refused
-        anyway: under overload the router's CPU then goes to the requests it can take, and a refusal
-        comes back at once instead of after the backlog (measured: docs/benchmarks.md, "Reliability")."""
-        error = self._closed() if self.refuses_at_once() else (
-            self._queue_full(f"{self.admission.num_waiting} requests are already waiting for admission")
-            if self.admission.is_full else None)
-        if error is not None:
-            self.link.count_arrival()  # demand for the controller's predictor too
-            self.metrics.outcome("rejected")
-            raise error
-
-    async def _acquire(self, ticket) -> None:
-        """An in-flight slot. While admission is held (closed by the controller), wait at most until the
-        request's TTFT target has passed: it has missed that target by then, and a 503 with
-        ``Retry-After`` tells its client more than a late answer would."""
-        try:
-            while self.admission.is_held(ticket):
-                remaining = ticket.deadline - time.monotonic()
-                if remaining <= 0:
-                    raise self._closed()
-                try:
-                    await asyncio.wait_for(self.admission.acquire(ticket), remaining)
-                    return
-                except TimeoutError:
-                    continue  # still held: refused above; reopened just now: waits as usual below
-            await self.admission.acquire(ticket)
-        except QueueFull as exc:
-            raise self._queue_full(str(exc)) from None
-
     def _engine_call(self, request: EngineRequest, index: int):
         """The engine replica's stream for ``request``. The second and later choices of one request
         (``n``, several prompts) go with Serve request ids of their own: a handle call inherits its
@@ -442,14 +374,14 @@ class Router:
 
     async def _admitted_items(self, prepared: Prepared, request: EngineRequest, span):
         """Engine items for one request, after admission. Raises APIError before the first item."""
-        if self.refuses_at_once():
-            raise self._closed()
+        if self.gate.refuses_at_once():
+            raise self.gate.closed()
         ticket = prepared.ticket
         if self.admission.is_held(ticket) and self.link.state is not None:
             ticket.passes_hold = fits_beside_cached_prefix(
                 process_index(), self.link.state.replicas.values(), request.prompt, ticket.num_pages,
                 request.prefix_salt)
-        await self._acquire(ticket)
+        await self.gate.acquire(ticket)
         admitted = time.monotonic()
         if span is not None:
             span.add_event("admitted")
