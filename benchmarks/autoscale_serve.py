@@ -125,7 +125,7 @@ def main(argv=None) -> int:
             lead = [{"peak_start_s": s,
                      "asked_before_s": s - second_since(samples, 2, s, on_s, a.period_s - on_s),
                      "serving_before_s": s - second_since(samples, 1, s, on_s, a.period_s - on_s),
-                     "attainment": float(passed[peak & (arrivals >= s) & (arrivals < s + on_s)].mean())}
+                     "attainment": float(passed[(arrivals >= s) & (arrivals < s + on_s)].mean())}
                     for s in starts]
             times = np.array([t for t, _, _ in samples])
             asked_for = np.array([target for _, _, target in samples], dtype=float)

@@ -28,7 +28,7 @@ import torch
 
 from apt_serve_ray.bench.engine_args import add_cache_dir, random_checkpoint
 from apt_serve_ray.bench.report import stamp, write_json
-from apt_serve_ray.bench.steps import build, fake_step, fill_pages, time_step
+from apt_serve_ray.bench.steps import build, fake_step, fill_pages, time_steps
 from apt_serve_ray.request import CacheKind
 from apt_serve_ray.worker import cpu_affinity
 
@@ -50,8 +50,7 @@ def noise(n: int, busy_us: float, period_ms: float, cpus: set[int]) -> list[subp
 
 
 def median_ms(runner, step, repeats: int) -> float:
-    runner.execute(step)
-    return 1e3 * statistics.median(time_step(runner, step) for _ in range(repeats))
+    return 1e3 * time_steps(runner, step, repeats, reduce=statistics.median)
 
 
 def main(argv=None) -> int:
