@@ -10,6 +10,14 @@ twice as fast. Measured on this project's AVX-512 CPU, one thread, all linear la
 well inside the 1e-3 the reference tests allow). ``APT_SERVE_PACKED_LINEAR=0`` turns packing off
 (for A/B measurements). (A hand-written AVX-512 GEMV for decode-sized batches was tried and lost to
 the packed layout in both dtypes.)
+
+On CPUs with AVX2 but not AVX-512, float32 layers also keep their weight in panels of 16 output channels
+for steps of at most ``PANEL_MAX_ROWS`` rows (``kernels/csrc/cpu_panel.cpp``; issue 41): measured on an
+AVX2 EPYC, OPT-125m's layer linears at 2 threads, 1 row 12-13 ms against oneDNN's 15.5-16.3, 4 rows 15-16
+against 19.6-24.3, and less hurt where Ray's processes wake on the engine's cores (the panels are shared
+out from a counter, so a preempted thread holds up two panels, not the call); from 16 rows it loses, so
+oneDNN keeps those. The panels are a second copy of the weight (``weight_bytes`` counts both).
+``APT_SERVE_PANEL_LINEAR=0`` turns them off, ``=1`` on where AVX-512 is present too.
 """
 
 from __future__ import annotations
@@ -41,19 +49,67 @@ def packing_available(dtype: torch.dtype) -> bool:
         return False
 
 
+PANEL_MAX_ROWS = 8  # rows a step sends to the panels; more go to oneDNN (cpu_panel.cpp)
+
+
+@functools.cache
+def panels_available() -> bool:
+    """Whether float32 layers keep panels for small steps: our kernel built with AVX2 and FMA, and the CPU
+    without AVX-512 (where oneDNN's packed layout won when measured) unless ``APT_SERVE_PANEL_LINEAR=1``;
+    ``=0`` turns them off."""
+    setting = os.environ.get("APT_SERVE_PANEL_LINEAR", "auto")
+    if setting == "0":
+        return False
+    from apt_serve_ray.worker.cpu_info import cpuinfo_field
+
+    if setting != "1" and "avx512f" in (cpuinfo_field("flags") or "").split():
+        return False
+    try:
+        from apt_serve_ray.kernels import cpu_attention
+
+        cpu_attention.load()
+        return bool(torch.ops.apt_serve.panel_native())
+    except RuntimeError as exc:
+        logger.info("float32 panel linears unavailable (%s)", exc)
+        return False
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """float32 [N, K] -> [N / 16, K, 16], N padded to 16 with zero channels: each panel's 16 channels
+    side by side for every input, read front to back by ``cpu_panel.cpp``."""
+    n, k = weight.shape
+    npad = -(-n // 16) * 16
+    padded = torch.zeros(npad, k, dtype=weight.dtype)
+    padded[:n] = weight
+    return padded.view(npad // 16, 16, k).transpose(1, 2).contiguous()
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """``x W^T + b`` from the weight's panels (``pack_panels``): float32 x of at most a few rows."""
+    return torch.ops.apt_serve.panel_linear(x, panels, bias, n)
+
+
 class Linear:
     """``y = x W^T + b``. ``keep_weight``: keep the plain weight too (for callers that slice it)."""
 
-    __slots__ = ("weight", "bias", "packed")
+    __slots__ = ("weight", "bias", "packed", "panels", "out_features")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, keep_weight: bool = False) -> None:
         self.bias = bias
-        self.packed = None
+        self.packed = self.panels = None
+        self.out_features = weight.shape[0]
         if weight.device.type == "cpu" and packing_available(weight.dtype):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+        if weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2 and panels_available():
+            self.panels = pack_panels(weight)
+            if bias is not None:
+                self.bias = bias.contiguous()
         self.weight = weight if keep_weight or self.packed is None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if (self.panels is not None and x.dim() == 2 and x.shape[0] <= PANEL_MAX_ROWS
+                and x.dtype == torch.float32 and not x.requires_grad):
+            return panel_linear(x, self.panels, self.bias, self.out_features)
         if self.packed is not None and x.dim() == 2:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
         if self.weight is None:  # packed only, and an input of another rank: flatten to rows
@@ -76,9 +132,10 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, *, quant
 
 
 def weight_bytes(layer) -> int:
-    """Bytes a linear layer holds its weight in (packed, quantized or plain)."""
+    """Bytes a linear layer holds its weight in (packed, quantized or plain; panels too)."""
     nbytes = getattr(layer, "nbytes", None)
     if nbytes is not None:
         return nbytes
     w = layer.packed if getattr(layer, "packed", None) is not None else layer.weight
-    return w.numel() * w.element_size()
+    panels = getattr(layer, "panels", None)
+    return w.numel() * w.element_size() + (panels.numel() * panels.element_size() if panels is not None else 0)
