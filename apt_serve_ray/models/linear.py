@@ -12,11 +12,13 @@ well inside the 1e-3 the reference tests allow). ``APT_SERVE_PACKED_LINEAR=0`` t
 the packed layout in both dtypes.)
 
 On CPUs with AVX2 but not AVX-512, float32 layers also keep their weight in panels of 16 output channels
-for steps of at most ``PANEL_MAX_ROWS`` rows (``kernels/csrc/cpu_panel.cpp``; issue 41): measured on an
-AVX2 EPYC, OPT-125m's layer linears at 2 threads, 1 row 12-13 ms against oneDNN's 15.5-16.3, 4 rows 15-16
-against 19.6-24.3, and less hurt where Ray's processes wake on the engine's cores (the panels are shared
-out from a counter, so a preempted thread holds up two panels, not the call); from 16 rows it loses, so
-oneDNN keeps those. The panels are a second copy of the weight (``weight_bytes`` counts both).
+for steps of at most ``PANEL_MAX_ROWS`` rows (``kernels/csrc/cpu_panel.cpp``; issue 41). Measured on an
+AVX2 EPYC (``benchmarks/panel_linear.py``, JSON ``docs/benchmarks/engine_speed/panel_linear_avx2.json``),
+OPT-125m's linears at 1-6 rows take 0.83-1.04x oneDNN's time at one thread and 0.84-0.91x at two, 0.69-0.81x
+beside the idle Serve app's wake-ups at two (the panels are shared out from a counter, so a preempted
+thread holds up two panels, not the call); a whole decode step of one request 0.74x (one thread) and
+0.82x (two) quiet. Eight rows (two passes over the weight) take 1.07-1.11x, sixteen 1.4x: oneDNN keeps those.
+The panels are a second copy of the weight (``weight_bytes`` counts both).
 ``APT_SERVE_PANEL_LINEAR=0`` turns them off, ``=1`` on where AVX-512 is present too.
 """
 
@@ -49,7 +51,7 @@ def packing_available(dtype: torch.dtype) -> bool:
         return False
 
 
-PANEL_MAX_ROWS = 8  # rows a step sends to the panels; more go to oneDNN (cpu_panel.cpp)
+PANEL_MAX_ROWS = 6  # rows a step sends to the panels (one pass over the weight); more go to oneDNN
 
 
 @functools.cache

@@ -8,9 +8,9 @@
 // R x 2 eight-lane sums (R <= 6: 12 sums, two weight vectors and one broadcast fit AVX2's 16 registers).
 // Panels are shared out two at a time from a counter (work_queue.h): where Ray's processes wake up on the
 // engine's cores, a preempted thread holds up only the two panels it has, not the call.
-// Measured on an AVX2 EPYC (no AVX-512), OPT-125m's 72 layer linears, 2 threads: 1 row 12-13 ms against
-// oneDNN's packed 15.5-16.3, 4 rows 15-16 against 19.6-24.3, 8 rows 23.5-24 against 26.6; 16 rows and more
-// lose (no blocking for the cache), so the caller sends at most 8 rows here (benchmarks/panel_linear.py).
+// Measured on an AVX2 EPYC (no AVX-512), OPT-125m's linears: 0.83-1.04x oneDNN's packed time at 1-6 rows
+// at one thread, 0.84-0.91x at two; 8 rows (two passes) 1.07-1.11x, 16 rows 1.4x (nothing blocked for the
+// cache), so the caller sends at most one pass of rows (6) here (benchmarks/panel_linear.py).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
