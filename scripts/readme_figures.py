@@ -267,8 +267,8 @@ def decision_cost(b: Bench) -> Row:
 
 
 def engine_speed(b: Bench) -> Row:
-    rel, rel125 = "compare/compare.json", "engine_speed/probe_avx2.json"
-    s, s125 = b(rel)["servers"], b(rel125)["servers"]  # OPT-125m re-measured at issue 41's code (an AVX2 CPU)
+    rel, rel125 = "compare/compare.json", "engine_speed/probe_avx2_panels.json"
+    s, s125 = b(rel)["servers"], b(rel125)["servers"]  # OPT-125m re-measured with the panel linears (an AVX2 CPU)
     shapes = {"125M": ("fp32-{t}t", "OPT-125m shape"), "1.1B": ("tinyllama-1.1b-fp32-{t}t", "TinyLlama-1.1B shape (GQA)")}
 
     def entry(server: str, shape: str, t: int) -> dict:
@@ -295,12 +295,14 @@ def engine_speed(b: Bench) -> Row:
               f"{shapes['1.1B'][1]} TTFT / TPOT **{c[0]} / {c[1]}**, saturated {c[2]}. Two threads, the engine alone "
               f"(the probe in-process, 125M): {e2[0]} / {e2[1]} / {e2[2]}.")
     a2, c2 = three("125M", 2), three("1.1B", 2)
+    off = s125["ours-nopanels-fp32-2t"]["probe"]
     lose = (f"two threads through Serve on the two cores: 125M TTFT {a2[0]}, TPOT {a2[1]}, saturated {a2[2]}; 1.1B "
-            f"{c2[0]} / {c2[1]} / {c2[2]}. The second thread adds {gain('vllm', '125M')} / {gain('vllm', '1.1B')} to "
-            f"vLLM's saturated output (125M / 1.1B), {gain('apt-serve', '125M')} / {gain('apt-serve', '1.1B')} to ours "
-            "(docs: the Serve app's wake-ups preempt the engine's threads, and a parallel step waits for its slowest "
-            "thread: 8% of the machine taken in short wake-ups costs a two-thread decode step 33%, "
-            "`benchmarks/step_under_noise.py`)")
+            f"{c2[0]} / {c2[1]} / {c2[2]} (issue 28's code). The second thread adds {gain('vllm', '125M')} / "
+            f"{gain('vllm', '1.1B')} to vLLM's saturated output (125M / 1.1B), {gain('apt-serve', '125M')} / "
+            f"{gain('apt-serve', '1.1B')} to ours (docs: the Serve app's wake-ups preempt the engine's threads, and a "
+            "parallel step waits for its slowest thread; the panel linears, shared out from a counter, took 125M's "
+            f"TPOT through Serve from {num(off['single']['median_tpot_ms'])} to "
+            f"{num(probe('apt-serve', '125M', 2)['single']['median_tpot_ms'])} ms, `ours-nopanels`)")
     used = [entry(server, shape, t) for server in ("apt-serve", "vllm") for shape in shapes for t in (1, 2)]
     on = measured_on(machine(used[0]) + ", " + docs("AVX2"), "real engines", docs("random weights"),
                      DTYPES["float32"] + " (the labels)", "1 and 2 threads (the labels)", days(v["date"] for v in used))
@@ -308,8 +310,8 @@ def engine_speed(b: Bench) -> Row:
                "and compute threads: TTFT and TPOT of one stream, output tok/s with everything sent at once",
                figure, lose, on, "`benchmarks/vllm_compare.sh probe` (`SHAPE=tinyllama-1.1b`; issue 28), "
                "`peer_sweep.py --start engine` (and `ours`, `vllm`) `--probe-only --dtype float32 --threads 1` (and 2) (issue 41; "
-               f"{jpath(rel125, rel)}, labels `*-fp32-*t`, `*-tinyllama-1.1b-fp32-*t`; 125M re-measured at issue 41's "
-               "code, 1.1B at issue 28's)")
+               f"{jpath(rel125, rel)}, labels `*-fp32-*t`, `*-tinyllama-1.1b-fp32-*t`; 125M re-measured with the panel "
+               "linears, 1.1B at issue 28's code)")
 
 
 def engine_speed_bf16(b: Bench) -> Row:
