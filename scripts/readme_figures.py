@@ -555,7 +555,8 @@ def fleet(b: Bench) -> Row:
             f"{num(ray['peaks'][1]['serving_before_s'])} s) and meets {pct(ours['attainment'])}% against "
             f"{pct(ray['attainment'])}% with {num(ours['replica_seconds'] / 3600)} against "
             f"{num(ray['replica_seconds'] / 3600)} replica-hours, but two CPU replicas on two cores serve a peak badly "
-            f"({pct(ours['peak_attainment'])}% at the peaks)")
+            f"({pct(ours['peak_attainment'])}% at the peaks; measured before the panel linears sped up this CPU's "
+            "fp32 decode, not re-run)")
     on = measured_on(machine(tight["machine"]), "simulated A100-80GB (cost model), bf16 weights", day(tight["date"]))
     return Row(what, figure, lose, on, "`benchmarks/gpu_policies.py` (`--tbt-scale 25`, `--model opt-30b`), "
                f"`benchmarks/fleet_sim.py autoscale` / `router` / `scale`, `benchmarks/autoscale_serve.py` (issue 31; {jpath(*rels)})")
