@@ -102,7 +102,8 @@ class Linear:
         self.out_features = weight.shape[0]
         if weight.device.type == "cpu" and packing_available(weight.dtype):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
-        if weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2 and panels_available():
+        if (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+                and (bias is None or bias.dtype == torch.float32) and panels_available()):
             self.panels = pack_panels(weight)
             if bias is not None:
                 self.bias = bias.contiguous()
