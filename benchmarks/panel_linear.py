@@ -40,7 +40,7 @@ from apt_serve_ray.request import CacheKind  # noqa: E402
 from apt_serve_ray.worker import cpu_affinity  # noqa: E402
 
 
-def engine(path: str, panels: bool, cache_dir):
+def engine(path: str, panels: bool):
     os.environ["APT_SERVE_PANEL_LINEAR"] = "auto" if panels else "0"
     linear.panels_available.cache_clear()
     try:
@@ -72,10 +72,7 @@ def layers_of(model) -> list:
 
 
 def time_layers(layers, rows: int, use_panels: bool, repeats: int) -> float:
-    xs = {}
-    for layer in layers:
-        k = (layer.panels.shape[1] if layer.panels is not None else None)
-        xs.setdefault(k, torch.randn(rows, k))
+    xs = {k: torch.randn(rows, k) for k in {layer.panels.shape[1] for layer in layers}}  # one x per input width
 
     def run():
         for layer in layers:
@@ -130,8 +127,8 @@ def main(argv=None) -> int:
               " set APT_SERVE_PANEL_LINEAR=1 to measure them anyway", file=sys.stderr)
         return 2
     path = random_checkpoint(a.shape, a.cache_dir)
-    with_panels, runner_p = engine(path, True, a.cache_dir)
-    without, runner_o = engine(path, False, a.cache_dir)
+    with_panels, runner_p = engine(path, True)
+    without, runner_o = engine(path, False)
     layers = layers_of(runner_p.model)
     assert layers and all(layer.panels is not None and layer.packed is not None for layer in layers), "no panels"
     steps = {f"decode x{b} @ 400": [(400, 1)] * b for b in (1, 4)}
@@ -159,7 +156,6 @@ def main(argv=None) -> int:
                       f"  panels {r['panels_quiet_ms']:7.2f} ({r['panels_quiet_ms'] / r['onednn_quiet_ms']:.2f}x)"
                       f"   beside noise: oneDNN {r['onednn_noisy_ms']:7.2f}  panels {r['panels_noisy_ms']:7.2f}"
                       f" ({r['panels_noisy_ms'] / r['onednn_noisy_ms']:.2f}x)", flush=True)
-    del with_panels, without
     if a.json:
         print("wrote", write_json(a.json, {"rows": rows_out, "args": {k: str(v) for k, v in vars(a).items()}},
                                   stamp(threads=a.threads, dtype="float32", model=a.shape, simulated=False)))
