@@ -29,7 +29,6 @@ import torch
 from apt_serve_ray.bench.engine_args import add_cache_dir, random_checkpoint
 from apt_serve_ray.bench.report import stamp, write_json
 from apt_serve_ray.bench.steps import build, fake_step, fill_pages, time_steps
-from apt_serve_ray.kernels import cpu_attention
 from apt_serve_ray.request import CacheKind
 from apt_serve_ray.worker import cpu_affinity
 
@@ -64,9 +63,6 @@ def main(argv=None) -> int:
     ap.add_argument("--period-ms", type=float, default=6.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=30, help="steps timed per round (the median kept)")
-    ap.add_argument("--compare-pool", action="store_true",
-                    help="each round times the step with the decode kernels on our work pool and on ATen's "
-                         "threads (APT_SERVE_WORK_POOL), alternated; a row for each")
     ap.add_argument("--json", type=Path, default=None)
     add_cache_dir(ap)
     a = ap.parse_args(argv)
@@ -84,31 +80,25 @@ def main(argv=None) -> int:
         cpu_affinity.bind_compute_threads(threads, True, bound)
         others = set(cpus[threads:]) or set(cpus)  # one thread: the noise kept off its CPU, as the replica does
         for label, step in steps.items():
-            pools = (True, False) if a.compare_pool else (cpu_attention.work_pool_enable(None),)
-            quiet, noisy = {p: [] for p in pools}, {p: [] for p in pools}
+            quiet, noisy = [], []
             for _ in range(a.rounds):
-                for p in pools:
-                    cpu_attention.work_pool_enable(p)
-                    quiet[p].append(median_ms(runner, step, a.repeats))
+                quiet.append(median_ms(runner, step, a.repeats))
                 procs = noise(a.noise_procs, a.busy_us, a.period_ms, others)
                 try:
                     time.sleep(0.5)
-                    for p in pools:
-                        cpu_attention.work_pool_enable(p)
-                        noisy[p].append(median_ms(runner, step, a.repeats))
+                    noisy.append(median_ms(runner, step, a.repeats))
                 finally:
-                    for proc in procs:
-                        proc.kill()
-                        proc.wait()
-            for p in pools:
-                q, n = statistics.median(quiet[p]), statistics.median(noisy[p])
-                row = {"threads": threads, "step": label, "work_pool": p, "quiet_ms": q, "noisy_ms": n,
-                       "slowdown": n / q - 1, "noise_cores": share, "noise_share_of_machine": share / len(cpus),
-                       "noise_on_cpus": sorted(others), "quiet_rounds": quiet[p], "noisy_rounds": noisy[p]}
-                rows.append(row)
-                print(f"{threads} thread(s) {label:16s} pool {'on ' if p else 'off'} quiet {q:7.2f} ms  beside "
-                      f"noise {n:7.2f} ms  (+{100 * row['slowdown']:.0f}%; the noise: {share:.2f} of a core on CPUs "
-                      f"{sorted(others)}, {100 * share / len(cpus):.0f}% of the machine)", flush=True)
+                    for p in procs:
+                        p.kill()
+                        p.wait()
+            q, n = statistics.median(quiet), statistics.median(noisy)
+            row = {"threads": threads, "step": label, "quiet_ms": q, "noisy_ms": n, "slowdown": n / q - 1,
+                   "noise_cores": share, "noise_share_of_machine": share / len(cpus),
+                   "noise_on_cpus": sorted(others), "quiet_rounds": quiet, "noisy_rounds": noisy}
+            rows.append(row)
+            print(f"{threads} thread(s) {label:16s} quiet {q:7.2f} ms  beside noise {n:7.2f} ms  "
+                  f"(+{100 * row['slowdown']:.0f}%; the noise: {share:.2f} of a core on CPUs {sorted(others)}, "
+                  f"{100 * share / len(cpus):.0f}% of the machine)", flush=True)
     if a.json:
         print("wrote", write_json(a.json, {"rows": rows, "args": {k: str(v) for k, v in vars(a).items()}},
                                   stamp(threads=a.threads, dtype=a.dtype, model=a.shape, simulated=False)))

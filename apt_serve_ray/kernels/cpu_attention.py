@@ -221,22 +221,6 @@ def bind_threads(cpus) -> list[int]:
     return list(torch.ops.apt_serve.bind_threads([int(c) for c in cpus]))
 
 
-def work_pool_enable(on: bool | None) -> bool:
-    """Whether the decode kernels run on the extension's own threads (``csrc/work_pool.h``; on unless
-    ``APT_SERVE_WORK_POOL=0``): set it to ``on`` (None: leave it) and return the setting before."""
-    load()
-    was = bool(torch.ops.apt_serve.work_pool_enable(True))
-    torch.ops.apt_serve.work_pool_enable(was if on is None else bool(on))
-    return was
-
-
-def work_pool_stats() -> dict[str, int]:
-    """The pool's counts: jobs published, jobs a worker joined, workers."""
-    load()
-    jobs, joined, workers = torch.ops.apt_serve.work_pool_stats()
-    return {"jobs": int(jobs), "joined": int(joined), "workers": int(workers)}
-
-
 def prefill_supported(head_dim: int, dtype: torch.dtype) -> bool:
     """Whether ``prefill_attention`` takes this head size and dtype (AVX-512 builds only)."""
     load()

@@ -37,7 +37,7 @@ void kv_decode_impl(const torch::Tensor& q, const torch::Tensor& kv, const torch
   std::vector<float> partials(items.size() * heads * row);
   const auto path = page_path<T, T>(dim);
   apt_work::WorkQueue work(static_cast<int64_t>(items.size()));
-  apt_work::run(work, [&] {
+  at::parallel_for(0, work.threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> qf(heads * dim), tmp(dim), s(heads * bs);
     Partial st(heads, dim);
     for (int64_t i; work.take(i);) {
@@ -53,7 +53,7 @@ void kv_decode_impl(const torch::Tensor& q, const torch::Tensor& kv, const torch
       }
       st.write(partials.data() + i * heads * row, path.acc_split);
     }
-  }, /*pooled=*/true);
+  });
   merge(items, partials.data(), heads, dim, batch, out.data_ptr<T>(), nullptr, lse);
 }
 
@@ -145,7 +145,7 @@ void hidden_projected_impl(const torch::Tensor& q, const Source& source, int64_t
   std::vector<float> partials(items.size() * heads * row);
   const auto path = page_path<float, T>(dim);
   apt_work::WorkQueue work(static_cast<int64_t>(items.size()));
-  apt_work::run(work, [&] {
+  at::parallel_for(0, work.threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> qf(heads * dim), tmp(dim), s(heads * tpp), kf(tpp * kv_dim);
     Partial st(heads, dim);
     auto tile = torch::empty({tpp, 2 * kv_dim}, w_kv_t.options());
@@ -181,7 +181,7 @@ void hidden_projected_impl(const torch::Tensor& q, const Source& source, int64_t
       }
       st.write(partials.data() + i * heads * row, path.acc_split);
     }
-  }, /*pooled=*/true);
+  });
   // V's bias comes out of the sum unchanged (the probabilities sum to 1): add it once per head.
   std::vector<float> vbias(heads * dim, 0.f);
   for (int64_t h = 0; h < heads; ++h)

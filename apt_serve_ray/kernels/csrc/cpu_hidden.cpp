@@ -135,7 +135,7 @@ void hidden_absorbed_loop(const torch::Tensor& qk, const Source& source, int64_t
   // (OPT-125m: 48 KiB); 8, 16, 32 and 64 rows measured within noise of each other.
   const int64_t chunk = Source::kTiled ? std::min<int64_t>(tpp, 32) : tpp;
   apt_work::WorkQueue work(static_cast<int64_t>(items.size()));
-  apt_work::run(work, [&] {
+  at::parallel_for(0, work.threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> q(heads * hid), s(heads * tpp);
     std::vector<T> tile(Source::kTiled ? chunk * hid : 0);
     Partial st(heads, hid);
@@ -160,7 +160,7 @@ void hidden_absorbed_loop(const torch::Tensor& qk, const Source& source, int64_t
       }
       st.write(partials.data() + i * heads * row, split);
     }
-  }, /*pooled=*/true);
+  });
   merge(items, partials.data(), heads, hid, batch, y.data_ptr<float>(), nullptr);
 }
 

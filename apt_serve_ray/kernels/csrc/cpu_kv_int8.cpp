@@ -117,7 +117,7 @@ void kv_int8_decode_impl(const torch::Tensor& q, const torch::Tensor& kv, const 
   std::vector<float> partials(items.size() * heads * row);
   const PageFn fn = page_fn_i8(dim);
   apt_work::WorkQueue work(static_cast<int64_t>(items.size()));
-  apt_work::run(work, [&] {
+  at::parallel_for(0, work.threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> qf(heads * dim), tmp(dim), s(heads * tpp);
     Partial st(heads, dim);
     for (int64_t i; work.take(i);) {
@@ -139,7 +139,7 @@ void kv_int8_decode_impl(const torch::Tensor& q, const torch::Tensor& kv, const 
       }
       st.write(partials.data() + i * heads * row, false);
     }
-  }, /*pooled=*/true);
+  });
   merge(items, partials.data(), heads, dim, batch, out.data_ptr<T>(), nullptr, lse);
 }
 

@@ -81,7 +81,7 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& packed, const 
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   apt_work::WorkQueue work((panels + PANELS_PER_ITEM - 1) / PANELS_PER_ITEM);
-  apt_work::run(work, [&] {
+  at::parallel_for(0, work.threads(), 1, [&](int64_t, int64_t) {
     for (int64_t item; work.take(item);) {
       for (int64_t b = item * PANELS_PER_ITEM; b < std::min(panels, (item + 1) * PANELS_PER_ITEM); ++b) {
         const int64_t c0 = 16 * b, nc = std::min<int64_t>(16, n - c0);
@@ -101,7 +101,7 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& packed, const 
         }
       }
     }
-  }, /*pooled=*/true);
+  });
 #else
   TORCH_CHECK(false, "panel_linear: needs AVX2 and FMA (panel_native() is false here)");
 #endif

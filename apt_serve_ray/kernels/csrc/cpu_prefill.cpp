@@ -293,7 +293,7 @@ void prefill_impl(const torch::Tensor& q, const torch::Tensor& kp_t, const torch
   // the threads end together (contiguous ranges gave one thread the light first half and the other three
   // quarters of the work), and a thread the OS preempts holds up only the item it has.
   apt_work::WorkQueue work(items);
-  apt_work::run(work, [&] {
+  at::parallel_for(0, work.threads(), 1, [&](int64_t, int64_t) {
     for (int64_t i; work.take(i);) {
       const int64_t h = i % heads, row = (groups - 1 - i / heads) * kRows;
       const int64_t g = h / group;
@@ -314,7 +314,7 @@ void prefill_impl(const torch::Tensor& q, const torch::Tensor& kp_t, const torch
 #undef APT_ROWS
       }
     }
-  }, /*pooled=*/false);
+  });
 }
 
 torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k_pages, const torch::Tensor& v_pages,

@@ -13,8 +13,6 @@
 #include <cstdint>
 #include <vector>
 
-#include "work_pool.h"
-
 #if defined(__linux__)
 #include <sched.h>
 #include <sys/syscall.h>
@@ -41,23 +39,9 @@ std::vector<int64_t> bind_threads(std::vector<int64_t> cpus) {
     }
   });
 #endif
-  apt_work::Pool::instance().set_cpus(cpus);  // its workers beside ATen's, one to a CPU
   return tids;
 }
 
-// The decode kernels' pool (work_pool.h): on or off (returns the previous setting), and its counts.
-bool work_pool_enable(bool on) {
-  const bool was = apt_work::Pool::instance().enabled();
-  apt_work::Pool::instance().set_enabled(on);
-  return was;
-}
-
-std::vector<int64_t> work_pool_stats() { return apt_work::Pool::instance().stats(); }
-
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(apt_serve, m) {
-  m.def("bind_threads(int[] cpus) -> int[]", &bind_threads);
-  m.def("work_pool_enable(bool on) -> bool", &work_pool_enable);
-  m.def("work_pool_stats() -> int[]", &work_pool_stats);
-}
+TORCH_LIBRARY_FRAGMENT(apt_serve, m) { m.def("bind_threads(int[] cpus) -> int[]", &bind_threads); }

@@ -7,18 +7,13 @@
 // together and a preempted thread holds up only the item it has:
 //
 //   WorkQueue work(n);
-//   run(work, [&] {
+//   at::parallel_for(0, work.threads(), 1, [&](int64_t, int64_t) {
 //     /* per-thread scratch */
 //     for (int64_t i; work.take(i);) { /* item i */ }
-//   }, /*pooled=*/true);
-//
-// pooled: on our own threads (work_pool.h), where the caller does not wait for a thread that has not
-// started; for decode-sized kernels, between which ATen's threads have nothing to do. Otherwise on ATen's.
+//   });
 #pragma once
 
 #include <ATen/Parallel.h>
-
-#include "work_pool.h"
 
 #include <algorithm>
 #include <atomic>
@@ -41,14 +36,5 @@ class WorkQueue {
   const int64_t items_;
   std::atomic<int64_t> next_{0};
 };
-
-// per_thread() on up to work.threads() threads, each taking items from work until none is left.
-template <class F>
-void run(WorkQueue& work, F&& per_thread, bool pooled) {
-  const int64_t threads = work.threads();
-  if (threads <= 1) return per_thread();
-  if (pooled && Pool::instance().run(threads, per_thread)) return;
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) { per_thread(); });
-}
 
 }  // namespace apt_work
