@@ -267,14 +267,17 @@ def decision_cost(b: Bench) -> Row:
 
 
 def engine_speed(b: Bench) -> Row:
-    rel, rel125 = "compare/compare.json", "engine_speed/probe_avx2_panels.json"
-    s, s125 = b(rel)["servers"], b(rel125)["servers"]  # OPT-125m re-measured with the panel linears (an AVX2 CPU)
-    shapes = {"125M": ("fp32-{t}t", "OPT-125m shape"), "1.1B": ("tinyllama-1.1b-fp32-{t}t", "TinyLlama-1.1B shape (GQA)")}
+    rel, rel125, rel350 = ("compare/compare.json", "engine_speed/probe_avx2_fifth.json",
+                           "engine_speed/probe_avx2_opt350m.json")
+    relp = "engine_speed/probe_avx2_panels.json"  # the panel linears' A/B, both runs on one day
+    s, p = b(rel)["servers"], b(relp)["servers"]
+    own = {"125M": b(rel125)["servers"], "350M": b(rel350)["servers"]}  # at the current code, an AVX2 CPU
+    names = {"125M": "OPT-125m shape", "350M": "OPT-350m shape", "1.1B": "TinyLlama-1.1B shape (GQA)"}
 
     def entry(server: str, shape: str, t: int) -> dict:
-        if shape == "125M":
-            return s125[f"{ {'apt-serve': 'ours'}.get(server, server)}-{shapes[shape][0].format(t=t)}"]
-        return s[f"{server}-{shapes[shape][0].format(t=t)}"]
+        if shape in own:
+            return own[shape][f"{ {'apt-serve': 'ours'}.get(server, server)}-fp32-{t}t"]
+        return s[f"{server}-tinyllama-1.1b-fp32-{t}t"]
 
     def probe(server: str, shape: str, t: int) -> dict:
         return entry(server, shape, t)["probe"]
@@ -289,29 +292,34 @@ def engine_speed(b: Bench) -> Row:
         one, two = (probe(server, shape, t)["saturated"]["output_throughput"] for t in (1, 2))
         return f"{100 * (two / one - 1):+.0f}%"
 
-    a, c = three("125M", 1), three("1.1B", 1)
-    e2 = three("125M", 2, "engine")
-    figure = (f"one thread: {shapes['125M'][1]} TTFT / TPOT **{a[0]} / {a[1]}** vLLM's, saturated **{a[2]}**; "
-              f"{shapes['1.1B'][1]} TTFT / TPOT **{c[0]} / {c[1]}**, saturated {c[2]}. Two threads, the engine alone "
-              f"(the probe in-process, 125M): {e2[0]} / {e2[1]} / {e2[2]}.")
-    a2, c2 = three("125M", 2), three("1.1B", 2)
-    off = s125["ours-nopanels-fp32-2t"]["probe"]
-    lose = (f"two threads through Serve on the two cores: 125M TTFT {a2[0]}, TPOT {a2[1]}, saturated {a2[2]}; 1.1B "
-            f"{c2[0]} / {c2[1]} / {c2[2]} (issue 28's code). The second thread adds {gain('vllm', '125M')} / "
-            f"{gain('vllm', '1.1B')} to vLLM's saturated output (125M / 1.1B), {gain('apt-serve', '125M')} / "
-            f"{gain('apt-serve', '1.1B')} to ours (docs: the Serve app's wake-ups preempt the engine's threads, and a "
-            "parallel step waits for its slowest thread; the panel linears, shared out from a counter, took 125M's "
-            f"TPOT through Serve from {num(off['single']['median_tpot_ms'])} to "
-            f"{num(probe('apt-serve', '125M', 2)['single']['median_tpot_ms'])} ms, `ours-nopanels`)")
-    used = [entry(server, shape, t) for server in ("apt-serve", "vllm") for shape in shapes for t in (1, 2)]
+    a, m, c = three("125M", 1), three("350M", 1), three("1.1B", 1)
+    e1, e2 = three("125M", 1, "engine"), three("125M", 2, "engine")
+    timed_out = {srv: probe(srv, "350M", 1)["saturated"]["failed"] for srv in ("apt-serve", "vllm")}
+    figure = (f"one thread: {names['125M']} TTFT / TPOT **{a[0]} / {a[1]}** vLLM's, saturated **{a[2]}**; "
+              f"{names['350M']} **{m[0]} / {m[1]}**, saturated {m[2]} (both cut by the client's 300-s timeout: "
+              f"{timed_out['apt-serve']} and {timed_out['vllm']} of 64 requests); {names['1.1B']} TTFT / TPOT "
+              f"**{c[0]} / {c[1]}**, saturated {c[2]} (issue 28's code). Two threads, 125M: TPOT **{three('125M', 2)[1]}**; "
+              f"the engine alone (the probe in-process) {e2[0]} / {e2[1]} / **{e2[2]}** (one thread {e1[0]} / {e1[1]} / "
+              f"{e1[2]}).")
+    a2, m2, c2 = three("125M", 2), three("350M", 2), three("1.1B", 2)
+    off = p["ours-nopanels-fp32-2t"]["probe"]["single"]["median_tpot_ms"]
+    on_ = p["ours-fp32-2t"]["probe"]["single"]["median_tpot_ms"]
+    lose = (f"two threads through Serve on the two cores: 125M TTFT {a2[0]}, saturated {a2[2]}; 350M "
+            f"{m2[0]} / {m2[1]} / {m2[2]}; 1.1B {c2[0]} / {c2[1]} / {c2[2]} (issue 28's code). At 125M the second thread adds "
+            f"{gain('vllm', '125M')} to vLLM's saturated output and {gain('apt-serve', '125M')} to ours (docs: the "
+            "Serve app's processes share the engine's two cores; in process the engine's second thread adds "
+            f"{gain('engine', '125M')}"
+            f"; the panel linears took 125M's TPOT through Serve from {num(off)} to {num(on_)} ms the day they landed, "
+            "`ours-nopanels`)")
+    used = [entry(server, shape, t) for server in ("apt-serve", "vllm") for shape in names for t in (1, 2)]
     on = measured_on(machine(used[0]) + ", " + docs("AVX2"), "real engines", docs("random weights"),
                      DTYPES["float32"] + " (the labels)", "1 and 2 threads (the labels)", days(v["date"] for v in used))
     return Row("engine speed through HTTP against vLLM CPU 0.32 (its defaults), same checkpoint, cache tokens, budget "
                "and compute threads: TTFT and TPOT of one stream, output tok/s with everything sent at once",
-               figure, lose, on, "`benchmarks/vllm_compare.sh probe` (`SHAPE=tinyllama-1.1b`; issue 28), "
-               "`peer_sweep.py --start engine` (and `ours`, `vllm`) `--probe-only --dtype float32 --threads 1` (and 2) (issue 41; "
-               f"{jpath(rel125, rel)}, labels `*-fp32-*t`, `*-tinyllama-1.1b-fp32-*t`; 125M re-measured with the panel "
-               "linears, 1.1B at issue 28's code)")
+               figure, lose, on, "`peer_sweep.py --start ours` (and `vllm`, `engine`) `--probe-only --dtype float32 "
+               "--threads 1` (and 2) `--shape opt-125m` (and `opt-350m`) (issue 41), `benchmarks/vllm_compare.sh probe` "
+               f"(`SHAPE=tinyllama-1.1b`; issue 28) ({jpath(rel125, rel350, relp, rel)}, labels `*-fp32-*t`, "
+               "`*-tinyllama-1.1b-fp32-*t`; 125M and 350M at the current code, 1.1B at issue 28's code)")
 
 
 def engine_speed_bf16(b: Bench) -> Row:
