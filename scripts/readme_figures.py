@@ -307,10 +307,9 @@ def engine_speed(b: Bench) -> Row:
     lose = (f"two threads through Serve on the two cores: 125M TTFT {a2[0]}, saturated {a2[2]}; 350M "
             f"{m2[0]} / {m2[1]} / {m2[2]}; 1.1B {c2[0]} / {c2[1]} / {c2[2]} (issue 28's code). At 125M the second thread adds "
             f"{gain('vllm', '125M')} to vLLM's saturated output and {gain('apt-serve', '125M')} to ours (docs: the "
-            "Serve app's processes share the engine's two cores; in process the engine's second thread adds "
-            f"{gain('engine', '125M')}"
-            f"; the panel linears took 125M's TPOT through Serve from {num(off)} to {num(on_)} ms the day they landed, "
-            "`ours-nopanels`)")
+            f"Serve app's processes share the engine's two cores; in process the engine's second thread adds "
+            f"{gain('engine', '125M')}; the panel linears took 125M's TPOT through Serve from {num(off)} to {num(on_)} "
+            "ms the day they landed, `ours-nopanels`)")
     used = [entry(server, shape, t) for server in ("apt-serve", "vllm") for shape in names for t in (1, 2)]
     on = measured_on(machine(used[0]) + ", " + docs("AVX2"), "real engines", docs("random weights"),
                      DTYPES["float32"] + " (the labels)", "1 and 2 threads (the labels)", days(v["date"] for v in used))
