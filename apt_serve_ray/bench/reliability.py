@@ -162,7 +162,7 @@ async def streams_cut(target: Target, num_streams: int = 100, concurrency: int =
                       max_tokens: int = 400) -> dict:
     """Streams closed by the client at random points (before the first token too); then every page
     must come back and no slot stay held."""
-    tally, rng = Tally(), random.Random(1)
+    tally, in_stream, rng = Tally(), Tally(), random.Random(1)
     aborted_before = await _num_aborted(target.app)
     semaphore = asyncio.Semaphore(concurrency)
     async with make_client(target.base_url, target.headers) as client:
@@ -173,12 +173,14 @@ async def streams_cut(target: Target, num_streams: int = 100, concurrency: int =
                     result.outcome = "cut" if result.outcome == "lost" else result.outcome
                 else:
                     result = await one_request(client, target.body(max_tokens), cut_after_chunks=rng.randint(1, 60))
+                    in_stream.add(result)
                 tally.add(result)
         await asyncio.gather(*(one(i) for i in range(num_streams)))
     idle_s = await wait_until_idle(target.app, target.base_url, target.headers, target.num_replicas)
     pages = await asyncio.to_thread(pages_state, target.app)
     return {"streams": num_streams, **tally.counts(), "pages_free_after_s": _round(idle_s),
             "pages_free": pages["num_free_pages"], "pages": pages["num_pages"],
+            "cut_in_stream": in_stream.counts()["cut"],
             "aborted_in_engines": await _num_aborted(target.app) - aborted_before}
 
 

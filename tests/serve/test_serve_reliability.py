@@ -65,7 +65,10 @@ def test_streams_cut_at_random_points_leave_no_page_or_slot_held(target):
     result = asyncio.run(streams_cut(target, num_streams=100))
     assert result["cut"] + result["completed"] == 100 and result["lost"] == result["dropped"] == 0, result
     assert result["pages_free"] == result["pages"] and result["pages_free_after_s"] is not None, result
-    assert result["aborted_in_engines"] >= result["cut"] - 10, result  # those cut before admission never ran
+    # A stream cut after its first event was admitted, so its engine must abort it; a few finish in the
+    # engine before the abort arrives (an event can carry several tokens; CI saw 73 aborts of 74). Those
+    # cut while waiting for the headers may never have reached an engine, so they are not counted.
+    assert result["aborted_in_engines"] >= 0.9 * result["cut_in_stream"] > 0, result
 
 
 def test_killed_controller_routers_keep_serving_and_it_is_replaced(target):
