@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from apt_serve_ray.bench import workloads
+from apt_serve_ray.bench import rate_shapes, workloads
 from apt_serve_ray.bench.engine_args import random_checkpoint
 from apt_serve_ray.bench.http_client import ClientOptions, replay
 from apt_serve_ray.bench.report import stamp, write_json
@@ -97,9 +97,9 @@ def main(argv=None) -> int:
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(model).vocab_size  # the checkpoint's (our tokenizer's), not OPT's
-    shape = workloads.OnOff(a.low, a.high, a.period_s, duty=a.duty)
+    shape = rate_shapes.OnOff(a.low, a.high, a.period_s, duty=a.duty)
     n = max(8, int(shape.mean_rate * a.period_s * a.periods))
-    base = workloads.make_shaped_trace("humaneval", n, shape, seed=a.seed, max_output_len=64, max_model_len=1024)
+    base = rate_shapes.make_shaped_trace("humaneval", n, shape, seed=a.seed, max_output_len=64, max_model_len=1024)
     results = {"shape": dataclasses.asdict(shape), "args": {k: str(v) for k, v in vars(a).items()}, "runs": {}}
     with local_serve(2) as port:
         url = f"http://127.0.0.1:{port}/v1/completions"

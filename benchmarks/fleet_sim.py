@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -34,7 +33,8 @@ import numpy as np
 from apt_serve_ray.bench import gpu_cost
 from apt_serve_ray.bench.report import stamp, write_json
 from apt_serve_ray.bench.slo_metrics import attainment, goodput, passes_slo
-from apt_serve_ray.bench.workloads import Diurnal, OnOff, fresh_token_ids, make_shaped_trace, make_trace
+from apt_serve_ray.bench.rate_shapes import Diurnal, OnOff, make_shaped_trace
+from apt_serve_ray.bench.workloads import fresh_token_ids, make_trace
 from apt_serve_ray.config import EngineConfig
 from deployments.autoscaling import AutoscalingOptions
 from deployments.cluster_control import ControlSettings

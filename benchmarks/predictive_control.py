@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from apt_serve_ray.bench import plots, workloads
+from apt_serve_ray.bench import plots, rate_shapes, workloads
 from apt_serve_ray.bench.engine_args import Default, add_engine_args, engine_kwargs, random_checkpoint
 from apt_serve_ray.bench.http_client import ClientOptions, replay
 from apt_serve_ray.bench.report import stamp, write_json
@@ -77,10 +77,10 @@ def parse_args() -> argparse.Namespace:
 # Traces -----------------------------------------------------------------------------------------
 def traces(a, vocab: int) -> dict[str, tuple[list, object]]:
     """name -> (trace, shape or None); on/off first, so the predictor's history starts with it."""
-    onoff = workloads.OnOff(a.low, a.high, a.period)
+    onoff = rate_shapes.OnOff(a.low, a.high, a.period)
     out = {}
     n = max(4, int(onoff.mean_rate * a.duration))
-    out["on/off"] = (workloads.make_shaped_trace(a.workload, n, onoff, seed=a.seed, vocab_size=vocab,
+    out["on/off"] = (rate_shapes.make_shaped_trace(a.workload, n, onoff, seed=a.seed, vocab_size=vocab,
                                                  max_output_len=a.max_output_len), onoff)
     for cv in (float(c) for c in a.cvs.split(",") if c):
         trace = workloads.make_trace(a.workload, max(4, int(a.rate * a.duration)), a.rate, cv, a.seed,

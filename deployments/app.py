@@ -30,7 +30,8 @@ from deployments.controller import Controller, ControllerOptions
 from deployments.engine_replica import EngineReplica, ReplicaOptions
 from deployments.request_router import OUTPUT_HORIZON_TOKENS, FitAwareRequestRouter
 from deployments.request_body import MAX_REQUEST_BODY_BYTES
-from deployments.router import Router, RouterOptions
+from deployments.router import Router
+from deployments.router_options import RouterOptions
 from deployments.service_classes import DEFAULT_SERVICE_CLASS, SERVICE_CLASSES, ServiceClass, ServiceClasses
 
 

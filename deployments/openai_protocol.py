@@ -1,5 +1,6 @@
-"""The OpenAI wire format: request models and error bodies (the response and chunk objects:
-``openai_objects.py``).
+"""The OpenAI wire format: request models (the response and chunk objects: ``openai_objects.py``; the
+error body: ``api_error.py``, re-exported here; the output-constraint fields: ``output_constraint.py``; the
+LoRA endpoints' bodies: ``lora_registry.py``).
 
 Requests are validated strictly (a string is not a number, a float is not an integer) so that every
 bad input becomes a 4xx with ``{"error": {"message", "type", "param", "code"}}`` naming the field.
@@ -15,32 +16,8 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from apt_serve_ray.sampling.structured import StructuredOutput
-
-
-class APIError(ValueError):
-    """An error the client caused (or an overload it should retry), with its HTTP status."""
-
-    def __init__(self, message: str, *, status: int = 400, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, retry_after_s: float | None = None) -> None:
-        super().__init__(message)
-        self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
-        self.retry_after_s = retry_after_s
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def headers(self) -> dict[str, str]:
-        return {} if self.retry_after_s is None else {"Retry-After": str(max(1, round(self.retry_after_s)))}
-
-
-def from_value_error(exc: ValueError) -> APIError:
-    """Our library raises ``ValueError("field: what is wrong")``; keep the field as ``param``."""
-    if isinstance(exc, APIError):
-        return exc
-    message = str(exc)
-    field, sep, _ = message.partition(":")
-    param = field.strip() if sep and field and " " not in field.strip() else None
-    return APIError(message, param=param)
+from deployments import output_constraint
+from deployments.api_error import APIError, from_value_error  # noqa: F401 - the routes use oai.APIError
 
 
 def from_validation_error(exc: ValidationError) -> APIError:
@@ -169,14 +146,7 @@ class _SamplingFields(BaseModel):
 
     def structured_output(self) -> StructuredOutput | None:
         """The constraint on the output the request asks for, whichever way it asks; None: free text."""
-        constraint = self._constraint()
-        if constraint is None:
-            return None
-        name, kwargs = constraint
-        try:
-            return StructuredOutput(**kwargs)
-        except (TypeError, ValueError) as exc:
-            raise APIError(f"{name}: {str(exc).removeprefix('structured_output: ')}", param=name) from None
+        return output_constraint.build(self._constraint())
 
     @property
     def constraint_field(self) -> str | None:
@@ -185,32 +155,8 @@ class _SamplingFields(BaseModel):
         return constraint[0] if constraint else None
 
     def _constraint(self) -> tuple[str, dict] | None:
-        given = []
-        rf = self.response_format
-        if rf is not None and rf.type == "json_object":
-            given.append(("response_format", {"json_object": True}))
-        elif rf is not None and rf.type == "json_schema":
-            spec = (rf.model_extra or {}).get("json_schema")
-            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-                raise APIError("response_format: json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": {...}}}",
-                               param="response_format")
-            given.append(("response_format", {"json": spec.get("schema") or {"type": "object"}}))
-        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice")):
-            if getattr(self, name) is not None:
-                given.append((name, {key: getattr(self, name)}))
-        if self.structured_outputs is not None:
-            known = {"json", "json_object", "regex", "choice"}
-            unknown = sorted(set(self.structured_outputs) - known)
-            if unknown:
-                raise APIError(f"structured_outputs: {unknown[0]!r} is not supported (supported: {sorted(known)})",
-                               param="structured_outputs")
-            given.append(("structured_outputs", dict(self.structured_outputs)))
-        if not given:
-            return None
-        if len(given) > 1:
-            raise APIError(f"{given[1][0]}: give one output constraint, not {given[0][0]} and {given[1][0]}",
-                           param=given[1][0])
-        return given[0]
+        return output_constraint.requested(self.response_format, self.guided_json, self.guided_regex,
+                                           self.guided_choice, self.structured_outputs)
 
     def scheduling_kwargs(self) -> dict:
         """The request's own scheduling hints (not its class's)."""
@@ -374,32 +320,6 @@ class ChatCompletionRequest(_SamplingFields):
 _FIELD_NAMES = frozenset().union(*(m.model_fields for m in (
     CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions, ResponseFormat, Tool,
     FunctionDefinition, ToolCall, FunctionCall, NamedToolChoice, NamedFunction)))
-
-
-class LoadLoRAAdapterRequest(BaseModel):
-    """vLLM's ``POST /v1/load_lora_adapter`` body: a PEFT folder on the server's machine, by name."""
-
-    model_config = ConfigDict(strict=True, extra="forbid")
-
-    lora_name: str = Field(min_length=1)
-    lora_path: str = Field(min_length=1)
-    load_inplace: bool = False  # vLLM's: replace an adapter of that name
-
-    def check_supported(self) -> None:
-        if self.load_inplace:
-            raise APIError("load_inplace: replacing a loaded adapter is not supported; unload it first",
-                           param="load_inplace")
-
-
-class UnloadLoRAAdapterRequest(BaseModel):
-    """vLLM's ``POST /v1/unload_lora_adapter`` body."""
-
-    model_config = ConfigDict(strict=True, extra="forbid")
-
-    lora_name: str = Field(min_length=1)
-
-    def check_supported(self) -> None:
-        pass
 
 
 def parse_request(cls: type[_SamplingFields], raw: bytes | dict) -> _SamplingFields:

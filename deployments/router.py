@@ -31,13 +31,11 @@ import contextlib
 import dataclasses
 import logging
 import time
-from typing import Literal, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from opentelemetry import trace
 from opentelemetry.propagate import inject
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, SecretStr
 from ray import serve
 from ray.serve import context as serve_context
 from ray.exceptions import RayError
@@ -46,18 +44,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from apt_serve_ray.models.loader import generation_defaults, load_tokenizer, resolve_model
 from apt_serve_ray.observability.metrics import NO_SERVICE_CLASS
 from apt_serve_ray.observability.tracing import configure_tracing, finished_spans
-from apt_serve_ray.scheduler.value import ValueWeights
 from deployments import openai_protocol as oai
 from deployments import auth, responses
 from deployments.admission import AdmissionQueue
 from deployments.admission_gate import AdmissionGate
 from deployments.affinity import keep_off_engine_cpus
 from deployments.metrics import RouterMetrics, make_backend, snapshot
-from deployments.lora_registry import AdapterRegistry
+from deployments.lora_registry import AdapterRegistry, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from deployments.request_body import read_body
+from deployments.router_options import RouterOptions
 from deployments.prefix_affinity import fits_beside_cached_prefix, process_index
 from deployments.preparation import ModelLimits, Prepared, RequestPreparer
-from deployments.service_classes import HEADER, ServiceClass, ServiceClasses
+from deployments.service_classes import HEADER, ServiceClasses
 from deployments.streaming import coalesced
 from deployments.controller_link import ControllerLink
 from deployments.wire import EngineRequest, InvalidRequest, StreamItem
@@ -65,46 +63,6 @@ from deployments.wire import EngineRequest, InvalidRequest, StreamItem
 SESSION_HEADER = "x-session-id"  # a conversation's id: its requests stick to one replica (else the body's user)
 
 logger = logging.getLogger("ray.serve")
-
-
-class RouterOptions(BaseModel):
-    """The router's settings, validated once (``app.py`` builds them from the app's arguments, where their
-    defaults are; the router has none of its own)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
-
-    model: str
-    served_model_name: Optional[str]  # None: the model's name
-    tokenizer: Optional[str]  # None: the model's own
-    default_ttft_slo_ms: PositiveFloat  # for requests that name no ``ttft_slo_ms`` (admission urgency)
-    output_horizon_tokens: PositiveInt  # output a request is assumed to reach, for its admission pages
-    max_in_flight: PositiveInt  # requests this router lets through to the engines at once
-    max_queued_requests: NonNegativeInt  # requests waiting for a slot before new ones get 429
-    admission_weights: ValueWeights  # the admission score's (``admission.py``)
-    service_classes: dict[str, ServiceClass]  # checked by ``ServiceClasses``
-    default_service_class: str
-    # None: a request's urgency rises over its whole TTFT target, as in the engine's value model.
-    urgency_slack_s: Optional[PositiveFloat]
-    max_wait_s: PositiveFloat  # a request waiting this long is admitted first (apt's max_wait_time)
-    # Share of its value a waiting request keeps once it can no longer meet its TTFT target (apt's).
-    fairness_penalty: float = Field(..., gt=0.0, le=1.0)
-    poll_interval_s: PositiveFloat  # how often the controller's state is read
-    tracing_exporter: Literal["none", "console", "otlp", "memory"]
-    mirror_metrics: bool
-    engine_cpus: Optional[dict]  # CPUs kept for the engines (``affinity.keep_off_engine_cpus``)
-    api_keys: tuple[SecretStr, ...]  # none: no auth (``auth.py``); SecretStr: never in a repr or log
-    max_request_body_bytes: PositiveInt  # larger bodies get 413
-    # While the controller has closed admission: "hold" new requests in the admission line until it
-    # reopens (503 once a request's TTFT target has passed), or "refuse" them at once with 503.
-    heavy_watermark_action: Literal["hold", "refuse"]
-    lora_modules: dict[str, str]  # LoRA adapters every engine replica loads at start: {name: path}
-    # vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (off: 404, as vLLM without
-    # VLLM_ALLOW_RUNTIME_LORA_UPDATING): they load a PEFT folder on this machine's path by name.
-    allow_runtime_lora_updating: bool
-
-    @property
-    def name(self) -> str:
-        return self.served_model_name or self.model
 
 
 api = FastAPI(title="apt-serve-ray", docs_url=None, redoc_url=None)
@@ -175,15 +133,15 @@ class Router:
         self.adapters.runtime = dict(runtime)
         self.preparer.adapters = self.adapters.for_requests()
 
-    @api.post("/v1/load_lora_adapter", openapi_extra=oai.openapi_body(oai.LoadLoRAAdapterRequest))
+    @api.post("/v1/load_lora_adapter", openapi_extra=oai.openapi_body(LoadLoRAAdapterRequest))
     async def http_load_lora_adapter(self, request: Request):
         """vLLM's: ``{"lora_name", "lora_path"}``; every replica loads it on its first request for it."""
-        return await self._lora_endpoint(request, oai.LoadLoRAAdapterRequest, self._load_adapter)
+        return await self._lora_endpoint(request, LoadLoRAAdapterRequest, self._load_adapter)
 
-    @api.post("/v1/unload_lora_adapter", openapi_extra=oai.openapi_body(oai.UnloadLoRAAdapterRequest))
+    @api.post("/v1/unload_lora_adapter", openapi_extra=oai.openapi_body(UnloadLoRAAdapterRequest))
     async def http_unload_lora_adapter(self, request: Request):
         """vLLM's: ``{"lora_name"}``; adapters loaded at start (``lora_modules``) stay."""
-        return await self._lora_endpoint(request, oai.UnloadLoRAAdapterRequest, self._unload_adapter)
+        return await self._lora_endpoint(request, UnloadLoRAAdapterRequest, self._unload_adapter)
 
     async def _lora_endpoint(self, request: Request, cls, act):
         try:
@@ -194,20 +152,13 @@ class Router:
         except oai.APIError as exc:
             return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
 
-    async def _load_adapter(self, body: oai.LoadLoRAAdapterRequest):
-        self.adapters.check_load(body)
-        await self.controller.set_adapter.remote(body.lora_name, body.lora_path)
-        self._sync_adapters({**self.adapters.runtime, body.lora_name: body.lora_path})
+    async def _load_adapter(self, body: LoadLoRAAdapterRequest):
+        self._sync_adapters(await self.adapters.load(body, self.controller))
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
-    async def _unload_adapter(self, body: oai.UnloadLoRAAdapterRequest):
-        name = body.lora_name
-        self.adapters.check_unload(body)
-        if not await self.controller.remove_adapter.remote(name):
-            raise oai.APIError(f"lora_name: no adapter `{name}` is loaded", status=404, param="lora_name",
-                               code="model_not_found")
-        self._sync_adapters({n: p for n, p in self.adapters.runtime.items() if n != name})
-        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+    async def _unload_adapter(self, body: UnloadLoRAAdapterRequest):
+        self._sync_adapters(await self.adapters.unload(body, self.controller))
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @api.get("/health")
     async def http_health(self):

@@ -91,7 +91,7 @@ def plot_latency_cdfs(runs: dict[str, list[RequestTimeline]], path, *, title: st
 def plot_forecast(run: dict, trace, shape, horizon: float, path) -> Path:
     """predictive_control.py's on/off run: arrivals per second, the trace's rate, the controller's
     forecast (mean over the next ``horizon`` s, drawn mid-horizon) with its band, and its actions."""
-    from apt_serve_ray.bench.workloads import arrival_rates
+    from apt_serve_ray.bench.rate_shapes import arrival_rates
 
     rates = arrival_rates(trace, 1.0)
     fig, ax = plt.subplots(figsize=(10, 4.2))

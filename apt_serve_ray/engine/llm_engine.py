@@ -19,6 +19,7 @@ from apt_serve_ray.worker.calibration import measure_costs
 from apt_serve_ray.cache.page_pool import PagePool
 from apt_serve_ray.cache.swap import SwapSpace, make_swap_space
 from apt_serve_ray.config import EngineConfig, check_share
+from apt_serve_ray.engine import request_checks
 from apt_serve_ray.engine.detokenizer import IncrementalDetokenizer
 from apt_serve_ray.engine.lora_slots import LoRASlots
 from apt_serve_ray.models.loader import load_tokenizer, resolve_model
@@ -159,37 +160,12 @@ class LLMEngine(LoRASlots):
     ) -> Request:
         """Validate and tokenise; raises ValueError naming the bad field. Does not touch engine state."""
         params = sampling_params if sampling_params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
-        if isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            text, ids = None, list(prompt)
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt: token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
-        else:
-            raise ValueError("prompt: must be a string or a list of token ids")
-        if not ids:
-            raise ValueError("prompt: must not be empty")
-        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
-            raise ValueError(f"logit_bias: token ids must be in [0, {self.vocab_size}), got {max(params.logit_bias)}")
+        request_checks.check_params(params, self.vocab_size)
+        text, ids = request_checks.prompt_ids(prompt, self.tokenizer, self.vocab_size, self.max_model_len)
         if params.structured_output is not None:
             self.structured_outputs().compile(params.structured_output)  # a bad grammar: refused now
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt: {len(ids)} tokens leave no room to generate within the model's context of "
-                f"{self.max_model_len} tokens"
-            )
-        for name, value in (("ttft_slo_ms", ttft_slo_ms), ("tbt_slo_ms", tbt_slo_ms)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
-                raise ValueError(f"{name}: must be a positive number of milliseconds, got {value!r}")
-        if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
-            raise ValueError(f"priority: must be an integer, got {priority!r}")
-        if service_class is not None and not isinstance(service_class, str):
-            raise ValueError(f"service_class: must be a string, got {service_class!r}")
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ValueError(f"cache_salt: must be a non-empty string, got {cache_salt!r}")
+        request_checks.check_hints(ttft_slo_ms=ttft_slo_ms, tbt_slo_ms=tbt_slo_ms, priority=priority,
+                                   service_class=service_class, cache_salt=cache_salt)
         self._check_lora(lora_name)
         request = Request(
             request_id or uuid.uuid4().hex, ids, params, prompt=text,

@@ -173,7 +173,8 @@ def test_a_server_is_stopped_with_its_whole_process_group(tmp_path):
 # Plots -------------------------------------------------------------------------------------------
 def test_the_benchmarks_plots_render(tmp_path):
     from apt_serve_ray.bench import plots
-    from apt_serve_ray.bench.workloads import OnOff, ServiceClass, make_shaped_trace
+    from apt_serve_ray.bench.rate_shapes import OnOff, make_shaped_trace
+    from apt_serve_ray.bench.workloads import ServiceClass
 
     pts = {"apt": [(1.0, 0.95), (2.0, 0.5)], "fcfs": [(1.0, 0.9), (2.0, 0.2)]}
     shape = OnOff(1.0, 4.0, 10.0)

@@ -6,18 +6,15 @@ import numpy as np
 import pytest
 
 from apt_serve_ray.bench.mixed_trace import MIXED, make_mixed_trace
+from apt_serve_ray.bench.rate_shapes import Diurnal, OnOff, arrival_rates, make_shaped_trace
 from apt_serve_ray.bench.workloads import (
     WORKLOADS,
-    Diurnal,
-    OnOff,
     ServiceClass,
-    arrival_rates,
     TraceRequest,
     assign_classes,
     fill_token_ids,
     load_trace,
     make_random_trace,
-    make_shaped_trace,
     make_trace,
     save_trace,
     with_rate,

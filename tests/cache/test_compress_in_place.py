@@ -16,7 +16,7 @@ from apt_serve_ray.cache.storage import CacheStorage
 from apt_serve_ray.request import CacheKind
 from apt_serve_ray.scheduler.output import ScheduledChunk
 from apt_serve_ray.scheduler.policies.sarathi import SarathiPolicy
-from apt_serve_ray.scheduler.scheduler import SchedulingContext
+from apt_serve_ray.scheduler.context import SchedulingContext
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 

@@ -373,7 +373,7 @@ def test_apt_sees_a_prefix_cached_in_a_compressed_kind_and_admits_in_that_kind()
     from apt_serve_ray.scheduler.candidates import KIND_CODE, Candidates
     from apt_serve_ray.scheduler.costs import StepCosts
     from apt_serve_ray.scheduler.policies.apt import AdaptiveScheduler
-    from apt_serve_ray.scheduler.scheduler import SchedulingContext
+    from apt_serve_ray.scheduler.context import SchedulingContext
 
     config = EngineConfig(policy="sarathi", cache_kinds=["hidden"], cache_ratio=1.0, max_num_batched_tokens=512,
                           swap_space=0)

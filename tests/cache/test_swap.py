@@ -19,7 +19,7 @@ from apt_serve_ray.cache.storage import CacheStorage
 from apt_serve_ray.cache.swap import GIB, SwapSpace
 from apt_serve_ray.request import CacheKind
 from apt_serve_ray.scheduler.costs import StepCosts
-from apt_serve_ray.scheduler.scheduler import SchedulingContext
+from apt_serve_ray.scheduler.context import SchedulingContext
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 TINY = CacheLayout(num_layers=2, num_kv_heads=4, head_dim=16, hidden_size=64, block_size=16, dtype_bytes=4)

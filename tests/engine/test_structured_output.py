@@ -105,7 +105,7 @@ def test_grammar_state_survives_preemption_and_recompute(opt_tiny):
 def test_the_mask_and_penalties_are_measured_and_priced_into_apts_step_budget(opt_tiny):
     from apt_serve_ray.scheduler.candidates import Candidates
     from apt_serve_ray.scheduler.policies.apt.shape import sampling_extra_s
-    from apt_serve_ray.scheduler.scheduler import SchedulingContext
+    from apt_serve_ray.scheduler.context import SchedulingContext
 
     llm = _llm(opt_tiny, "llguidance", policy="apt")
     engine = llm.llm_engine

@@ -15,7 +15,8 @@ from apt_serve_ray.request import CacheKind, Request, RequestStatus
 from apt_serve_ray.sampling.params import SamplingParams
 from apt_serve_ray.scheduler.candidates import Candidates
 from apt_serve_ray.scheduler.policies.apt import AdaptiveScheduler
-from apt_serve_ray.scheduler.scheduler import Scheduler, SchedulingContext
+from apt_serve_ray.scheduler.context import SchedulingContext
+from apt_serve_ray.scheduler.scheduler import Scheduler
 from apt_serve_ray.scheduler.value import ValueWeights, density, importance, urgency
 
 

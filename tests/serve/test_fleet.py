@@ -6,7 +6,8 @@ import pytest
 
 from apt_serve_ray.bench.simulator import CostModel, SimulatedEngine
 from apt_serve_ray.bench.slo_metrics import attainment
-from apt_serve_ray.bench.workloads import OnOff, make_shaped_trace, make_trace
+from apt_serve_ray.bench.rate_shapes import OnOff, make_shaped_trace
+from apt_serve_ray.bench.workloads import make_trace
 from apt_serve_ray.config import EngineConfig
 from deployments import fleet as fleet_module
 from deployments.autoscaling import AutoscalingOptions

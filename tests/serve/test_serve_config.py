@@ -100,7 +100,8 @@ def test_deployments_have_no_defaults_of_their_own():
 
     from deployments.controller import Controller, ControllerOptions
     from deployments.engine_replica import EngineReplica, ReplicaOptions
-    from deployments.router import Router, RouterOptions
+    from deployments.router import Router
+    from deployments.router_options import RouterOptions
 
     for options in (RouterOptions, ReplicaOptions, ControllerOptions):
         defaulted = [name for name, field in options.model_fields.items() if not field.is_required()]
