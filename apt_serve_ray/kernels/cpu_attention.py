@@ -53,8 +53,7 @@ logger = logging.getLogger("apt_serve_ray")
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("cpu_attention.cpp", "cpu_hidden.cpp", "cpu_prefill.cpp", "cpu_kv_int8.cpp",
-                                       "cpu_woq.cpp", "cpu_threads.cpp", "cpu_panel.cpp",
-                                       "cpu_shared_linear.cpp")]
+                                       "cpu_woq.cpp", "cpu_threads.cpp", "cpu_panel.cpp")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-std=c++17"]
 
 
