@@ -267,19 +267,18 @@ def decision_cost(b: Bench) -> Row:
 
 
 def engine_speed(b: Bench) -> Row:
-    rel, rel125, rel350, rel350_1 = ("compare/compare.json", "engine_speed/probe_avx2_fifth.json",
-                                     "engine_speed/probe_avx2_opt350m.json", "engine_speed/probe_avx2_opt350m_1t.json")
+    rel125, rel350, rel350_1, rel11 = ("engine_speed/probe_avx2_fifth.json", "engine_speed/probe_avx2_opt350m.json",
+                                       "engine_speed/probe_avx2_opt350m_1t.json", "engine_speed/probe_avx2_tinyllama.json")
     relp = "engine_speed/probe_avx2_panels.json"  # the panel linears' A/B, both runs on one day
-    s, p = b(rel)["servers"], b(relp)["servers"]
+    p = b(relp)["servers"]
     # At the current code, an AVX2 CPU; 350M at one thread re-run with a 900-s client timeout (300 s cut half of
     # the saturated requests of both servers).
-    own = {"125M": b(rel125)["servers"], "350M": {**b(rel350)["servers"], **b(rel350_1)["servers"]}}
+    own = {"125M": b(rel125)["servers"], "350M": {**b(rel350)["servers"], **b(rel350_1)["servers"]},
+           "1.1B": b(rel11)["servers"]}
     names = {"125M": "OPT-125m shape", "350M": "OPT-350m shape", "1.1B": "TinyLlama-1.1B shape (GQA)"}
 
     def entry(server: str, shape: str, t: int) -> dict:
-        if shape in own:
-            return own[shape][f"{ {'apt-serve': 'ours'}.get(server, server)}-fp32-{t}t"]
-        return s[f"{server}-tinyllama-1.1b-fp32-{t}t"]
+        return own[shape][f"{ {'apt-serve': 'ours'}.get(server, server)}-fp32-{t}t"]
 
     def probe(server: str, shape: str, t: int) -> dict:
         return entry(server, shape, t)["probe"]
@@ -298,14 +297,16 @@ def engine_speed(b: Bench) -> Row:
     e1, e2 = three("125M", 1, "engine"), three("125M", 2, "engine")
     figure = (f"one thread: {names['125M']} TTFT / TPOT **{a[0]} / {a[1]}** vLLM's, saturated **{a[2]}**; "
               f"{names['350M']} **{m[0]} / {m[1]}**, saturated {m[2]}; {names['1.1B']} TTFT / TPOT "
-              f"**{c[0]} / {c[1]}**, saturated {c[2]} (issue 28's code). Two threads, 125M: TPOT **{three('125M', 2)[1]}**; "
+              f"**{c[0]} / {c[1]}**, saturated {c[2]}. Two threads, 125M: TPOT **{three('125M', 2)[1]}**; "
               f"the engine alone (the probe in-process) {e2[0]} / {e2[1]} / **{e2[2]}** (one thread {e1[0]} / {e1[1]} / "
               f"{e1[2]}).")
     a2, m2, c2 = three("125M", 2), three("350M", 2), three("1.1B", 2)
+    e11 = three("1.1B", 2, "engine")
     off = p["ours-nopanels-fp32-2t"]["probe"]["single"]["median_tpot_ms"]
     on_ = p["ours-fp32-2t"]["probe"]["single"]["median_tpot_ms"]
     lose = (f"two threads through Serve on the two cores: 125M TTFT {a2[0]}, saturated {a2[2]}; 350M "
-            f"{m2[0]} / {m2[1]} / {m2[2]}; 1.1B {c2[0]} / {c2[1]} / {c2[2]} (issue 28's code). At 125M the second thread adds "
+            f"{m2[0]} / {m2[1]} / {m2[2]}; 1.1B {c2[0]} / {c2[1]} / {c2[2]} (the engine alone {e11[0]} / {e11[1]} / "
+            f"{e11[2]}: at 1.1B it loses saturated output in process too). At 125M the second thread adds "
             f"{gain('vllm', '125M')} to vLLM's saturated output and {gain('apt-serve', '125M')} to ours (docs: the "
             f"Serve app's processes share the engine's two cores; in process the engine's second thread adds "
             f"{gain('engine', '125M')}; the panel linears took 125M's TPOT through Serve from {num(off)} to {num(on_)} "
@@ -316,9 +317,9 @@ def engine_speed(b: Bench) -> Row:
     return Row("engine speed through HTTP against vLLM CPU 0.32 (its defaults), same checkpoint, cache tokens, budget "
                "and compute threads: TTFT and TPOT of one stream, output tok/s with everything sent at once",
                figure, lose, on, "`peer_sweep.py --start ours` (and `vllm`, `engine`) `--probe-only --dtype float32 "
-               "--threads 1` (and 2) `--shape opt-125m` (and `opt-350m`; at one thread `--timeout 900`) (issue 41), `benchmarks/vllm_compare.sh probe` "
-               f"(`SHAPE=tinyllama-1.1b`; issue 28) ({jpath(rel125, rel350, rel350_1, relp, rel)}, labels `*-fp32-*t`, "
-               "`*-tinyllama-1.1b-fp32-*t`; 125M and 350M at the current code, 1.1B at issue 28's code)")
+               "--threads 1` (and 2) `--shape opt-125m` (and `opt-350m`; at one thread `--timeout 900`; `tinyllama-1.1b` "
+               "with `--probe-single 4 --probe-saturated 16 --probe-input-len 256 --probe-output-len 64 --timeout 900`) "
+               f"(issue 41) ({jpath(rel125, rel350, rel350_1, rel11, relp)}, labels `*-fp32-*t`)")
 
 
 def engine_speed_bf16(b: Bench) -> Row:
@@ -585,7 +586,7 @@ FOOTNOTES = [
     "re-run (the bf16 row was, at f80ff03). Six seeds at CV 3 with 30% documents against vLLM, the tier on and off "
     "and the bf16 grid are in docs/benchmarks.md (\"Bursts: a chunk each in turn\", \"Bursts with the tier below "
     "memory on and off\", \"Bursts across the grid\"). Every row that runs the engine but the bf16 engine-speed "
-    "row and the fp32 one's OPT-125m figures (re-measured at issue 41's code) ran before c4665fc (prefill attention 0.51-0.70x the time a layer, a prefill step 0.76-0.93x) and ebb1db7 "
+    "row and the fp32 one (re-measured at issue 41's code: OPT-125m, OPT-350m, TinyLlama-1.1B) ran before c4665fc (prefill attention 0.51-0.70x the time a layer, a prefill step 0.76-0.93x) and ebb1db7 "
     "(compute threads bound to cores) and was not re-run; the engine-speed rows' probe repeated its eight "
     "single-stream prompts among the 64 saturated ones (prefix-cache hits for every server alike) until the commit "
     "after 61ca2f0. Every row measured on the default model through `serve_config.yaml` ran it at full width: since "
