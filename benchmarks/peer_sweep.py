@@ -138,7 +138,8 @@ def served_checkpoint(args) -> str:
 def start_spec(args) -> servers.ServerSpec:
     ckpt, engine, extra = served_checkpoint(args), engine_kwargs(args), shlex.split(args.server_args)
     if args.start == "ours":
-        engine.update(policy="apt", light_watermark=1.0, heavy_watermark=1.0, default_ttft_slo_ms=args.ttft_slo_ms,
+        engine.setdefault("policy", "apt")  # --policy: another of ours against the same peer
+        engine.update(light_watermark=1.0, heavy_watermark=1.0, default_ttft_slo_ms=args.ttft_slo_ms,
                       default_tbt_slo_ms=args.tbt_slo_ms)
         return servers.ours(engine, model=ckpt, served_model_name=args.shape, extra=extra)
     return servers.named(args.start, engine, model=ckpt, served_model_name=args.shape, vllm_args=extra, kv_cache_gib=2)
@@ -150,7 +151,8 @@ def engine_config(args):
     from deployments.app import AppArgs, policy_kwargs
 
     engine = engine_kwargs(args)
-    engine.update(policy="apt", default_ttft_slo_ms=args.ttft_slo_ms, default_tbt_slo_ms=args.tbt_slo_ms)
+    engine.setdefault("policy", "apt")
+    engine.update(default_ttft_slo_ms=args.ttft_slo_ms, default_tbt_slo_ms=args.tbt_slo_ms)
     app = AppArgs.model_validate({"model": served_checkpoint(args), **engine})
     config = app.engine_config()
     return config.replace(policy_options=policy_kwargs(app, config) or None)
