@@ -24,7 +24,7 @@ from pathlib import Path
 import aiohttp
 
 from apt_serve_ray.bench import plots, servers, slo_metrics, workloads
-from apt_serve_ray.bench.engine_args import PEER_MATCHED, Default, add_cache_dir, add_engine_args, engine_kwargs, \
+from apt_serve_ray.bench.engine_args import COMMON, PEER_MATCHED, Default, add_cache_dir, add_engine_args, engine_kwargs, \
     random_checkpoint
 from apt_serve_ray.bench.http_client import ClientOptions, first_model, replay, warm_up
 from apt_serve_ray.bench.report import stamp, write_json
@@ -260,7 +260,7 @@ def main(argv=None) -> int:
     ap.add_argument("--server-args", default="", help="--start: extra server arguments, one string")
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp"), help="--start: the server's log")
     add_cache_dir(ap)
-    add_engine_args(ap, dtype=Default("bfloat16", "vllm_compare.sh's default"), **{
+    add_engine_args(ap, *COMMON, "policy", dtype=Default("bfloat16", "vllm_compare.sh's default"), **{
         **PEER_MATCHED, "max_model_len": Default(1024, "the traces' prompts and outputs fit (outputs <= 128)")})
     args = ap.parse_args(argv)
     for name in ("num_requests", "max_model_len"):

@@ -269,6 +269,7 @@ def decision_cost(b: Bench) -> Row:
 def engine_speed(b: Bench) -> Row:
     rel125, rel350, rel350_1, rel11 = ("engine_speed/probe_avx2_fifth.json", "engine_speed/probe_avx2_opt350m.json",
                                        "engine_speed/probe_avx2_opt350m_1t.json", "engine_speed/probe_avx2_tinyllama.json")
+    rel11b = "engine_speed/probe_avx2_tinyllama_policy.json"
     relp = "engine_speed/probe_avx2_panels.json"  # the panel linears' A/B, both runs on one day
     p = b(relp)["servers"]
     # At the current code, an AVX2 CPU; 350M at one thread re-run with a 900-s client timeout (300 s cut half of
@@ -302,16 +303,26 @@ def engine_speed(b: Bench) -> Row:
               f"{e1[2]}).")
     a2, m2, c2 = three("125M", 2), three("350M", 2), three("1.1B", 2)
     e11 = three("1.1B", 2, "engine")
+    w2 = b(rel11b)["servers"]  # a second window at 1.1B, two threads: the same probe, an hour later
+
+    def three_w2(server: str) -> list[str]:
+        ours, peer = w2[server]["probe"], w2["vllm-fp32-2t"]["probe"]
+        return [ratio(ours["single"]["median_ttft_ms"], peer["single"]["median_ttft_ms"]),
+                ratio(ours["single"]["median_tpot_ms"], peer["single"]["median_tpot_ms"]),
+                ratio(ours["saturated"]["output_throughput"], peer["saturated"]["output_throughput"])]
+
+    o2, en2 = three_w2("ours-fp32-2t"), three_w2("engine-apt-fp32-2t")
     off = p["ours-nopanels-fp32-2t"]["probe"]["single"]["median_tpot_ms"]
     on_ = p["ours-fp32-2t"]["probe"]["single"]["median_tpot_ms"]
     lose = (f"two threads through Serve on the two cores: 125M TTFT {a2[0]}, saturated {a2[2]}; 350M "
-            f"{m2[0]} / {m2[1]} / {m2[2]}; 1.1B {c2[0]} / {c2[1]} / {c2[2]} (the engine alone {e11[0]} / {e11[1]} / "
-            f"{e11[2]}: at 1.1B it loses saturated output in process too). At 125M the second thread adds "
+            f"{m2[0]} / {m2[1]} / {m2[2]}; 1.1B {c2[0]} / {c2[1]} / {c2[2]}, the engine alone {e11[0]} / {e11[1]} / "
+            f"{e11[2]} (a second window: {o2[0]} / {o2[1]} / {o2[2]}, the engine alone {en2[0]} / {en2[1]} / {en2[2]}). At 125M the second thread adds "
             f"{gain('vllm', '125M')} to vLLM's saturated output and {gain('apt-serve', '125M')} to ours (docs: the "
             f"Serve app's processes share the engine's two cores; in process the engine's second thread adds "
             f"{gain('engine', '125M')}; the panel linears took 125M's TPOT through Serve from {num(off)} to {num(on_)} "
             "ms the day they landed, `ours-nopanels`)")
-    used = [entry(server, shape, t) for server in ("apt-serve", "vllm") for shape in names for t in (1, 2)]
+    used = [entry(server, shape, t) for server in ("apt-serve", "vllm") for shape in names for t in (1, 2)] \
+        + [w2["ours-fp32-2t"], w2["vllm-fp32-2t"]]
     on = measured_on(machine(used[0]) + ", " + docs("AVX2"), "real engines", docs("random weights"),
                      DTYPES["float32"] + " (the labels)", "1 and 2 threads (the labels)", days(v["date"] for v in used))
     return Row("engine speed through HTTP against vLLM CPU 0.32 (its defaults), same checkpoint, cache tokens, budget "
@@ -319,7 +330,7 @@ def engine_speed(b: Bench) -> Row:
                figure, lose, on, "`peer_sweep.py --start ours` (and `vllm`, `engine`) `--probe-only --dtype float32 "
                "--threads 1` (and 2) `--shape opt-125m` (and `opt-350m`; at one thread `--timeout 900`; `tinyllama-1.1b` "
                "with `--probe-single 4 --probe-saturated 16 --probe-input-len 256 --probe-output-len 64 --timeout 900`) "
-               f"(issue 41) ({jpath(rel125, rel350, rel350_1, rel11, relp)}, labels `*-fp32-*t`)")
+               f"(issue 41) ({jpath(rel125, rel350, rel350_1, rel11, rel11b, relp)}, labels `*-fp32-*t`)")
 
 
 def engine_speed_bf16(b: Bench) -> Row:
