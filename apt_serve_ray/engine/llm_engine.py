@@ -32,7 +32,7 @@ from apt_serve_ray.scheduler.output import ScheduledChunk
 from apt_serve_ray.scheduler.registry import make_policy
 from apt_serve_ray.scheduler.scheduler import Scheduler
 from apt_serve_ray.scheduler.watermarks import Watermarks
-from apt_serve_ray.engine.stats import CacheStats, StepStats
+from apt_serve_ray.engine.stats import CacheStats, StepStats, collect_cache_stats
 
 logger = logging.getLogger("apt_serve_ray")
 
@@ -388,28 +388,5 @@ class LLMEngine(LoRASlots):
         self.scheduler.admission_open = bool(open_)
 
     def cache_stats(self) -> CacheStats:
-        pool, sched = self.cache.pool, self.scheduler
-        # Only running requests hold pages (preemption frees them all and zeroes num_computed_tokens), and
-        # this runs every step: the waiting queue, thousands long under overload, is not walked.
-        tokens = self.cache.num_cached_tokens(sched.running)
-        return CacheStats(
-            num_pages=pool.num_pages, num_free_pages=pool.num_free_pages,
-            num_kv_pages=pool.num_used(CacheKind.KV), num_hidden_pages=pool.num_used(CacheKind.HIDDEN),
-            num_kv_tokens=tokens[CacheKind.KV.value], num_hidden_tokens=tokens[CacheKind.HIDDEN.value],
-            usage=pool.usage(), cache_ratio=sched.cache_ratio, hidden_share=sched.hidden_share(),
-            pages_by_kind={k.value: pool.num_used(k) for k in CacheKind}, tokens_by_kind=tokens,
-            compressed_share=sched.compressed_share(),
-            num_waiting=len(sched.waiting) + len(self._lora_waiting), num_running=len(sched.running), num_preemptions=sched.num_preemptions,
-            num_swap_slots=self.swap.num_slots if self.swap else 0,
-            num_used_swap_slots=self.swap.num_used_slots - self.cache.num_tier_pages if self.swap else 0,
-            num_swap_outs=sched.num_swap_outs, num_tier_cached_pages=self.cache.num_tier_pages,
-            admission_open=sched.admission_open and sched.pressure_admit, hidden_allowed=self.hidden_allowed,
-            max_running_priority=max((r.priority for r in sched.running), default=None),
-            num_cached_pages=pool.num_cached_free_pages,
-            cached_pages_by_kind={k.value: pool.num_cached(k) for k in CacheKind},
-            prefix_query_tokens=dict(self.cache.prefix_stats.queries), prefix_hit_tokens=dict(self.cache.prefix_stats.hits),
-            num_prefix_evictions=pool.num_evictions,
-            prefix_tier_hit_tokens=dict(self.cache.prefix_stats.tier_hits),
-            loras=self.loaded_loras(),
-            **self._geometry,
-        )
+        return collect_cache_stats(self.cache, self.scheduler, self.swap, num_lora_waiting=len(self._lora_waiting),
+                                   hidden_allowed=self.hidden_allowed, loras=self.loaded_loras(), **self._geometry)

@@ -1,5 +1,5 @@
 """What the engine publishes about itself: one step (``StepStats``) and the cache with its queues
-(``CacheStats``).
+(``CacheStats``, gathered by ``collect_cache_stats``).
 
 These are the contract with everything that watches the engine: observers (metrics, the memory
 timeline), the async engine and the engine process (which sends them to its parent every step, so
@@ -10,6 +10,8 @@ removing one is a change every reader sees (the Serve replica builds its ``LoadR
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from apt_serve_ray.cache.kinds import CacheKind
 
 
 @dataclass(frozen=True)
@@ -107,3 +109,35 @@ class StepStats:
                 "upgrades": self.num_upgrades, "compressions": self.num_compressions,
                 "swap_outs": self.num_swap_outs, "swap_ins": self.num_swap_ins,
                 "preemptions": len(self.preempt_causes)}
+
+
+def collect_cache_stats(cache, sched, swap, *, num_lora_waiting: int, hidden_allowed: bool, loras,
+                        **geometry) -> CacheStats:
+    """``LLMEngine.cache_stats()``: the pool (``cache``: its ``CacheManager``), the scheduler's queues and
+    knobs, the swap tier (or None), and ``geometry``, the fixed part the engine works out once."""
+    pool = cache.pool
+    # Only running requests hold pages (preemption frees them all and zeroes num_computed_tokens), and
+    # this runs every step: the waiting queue, thousands long under overload, is not walked.
+    tokens = cache.num_cached_tokens(sched.running)
+    return CacheStats(
+        num_pages=pool.num_pages, num_free_pages=pool.num_free_pages,
+        num_kv_pages=pool.num_used(CacheKind.KV), num_hidden_pages=pool.num_used(CacheKind.HIDDEN),
+        num_kv_tokens=tokens[CacheKind.KV.value], num_hidden_tokens=tokens[CacheKind.HIDDEN.value],
+        usage=pool.usage(), cache_ratio=sched.cache_ratio, hidden_share=sched.hidden_share(),
+        pages_by_kind={k.value: pool.num_used(k) for k in CacheKind}, tokens_by_kind=tokens,
+        compressed_share=sched.compressed_share(),
+        num_waiting=len(sched.waiting) + num_lora_waiting, num_running=len(sched.running),
+        num_preemptions=sched.num_preemptions,
+        num_swap_slots=swap.num_slots if swap else 0,
+        num_used_swap_slots=swap.num_used_slots - cache.num_tier_pages if swap else 0,
+        num_swap_outs=sched.num_swap_outs, num_tier_cached_pages=cache.num_tier_pages,
+        admission_open=sched.admission_open and sched.pressure_admit, hidden_allowed=hidden_allowed,
+        max_running_priority=max((r.priority for r in sched.running), default=None),
+        num_cached_pages=pool.num_cached_free_pages,
+        cached_pages_by_kind={k.value: pool.num_cached(k) for k in CacheKind},
+        prefix_query_tokens=dict(cache.prefix_stats.queries), prefix_hit_tokens=dict(cache.prefix_stats.hits),
+        num_prefix_evictions=pool.num_evictions,
+        prefix_tier_hit_tokens=dict(cache.prefix_stats.tier_hits),
+        loras=loras,
+        **geometry,
+    )
