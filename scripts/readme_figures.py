@@ -284,11 +284,14 @@ def engine_speed(b: Bench) -> Row:
     def probe(server: str, shape: str, t: int) -> dict:
         return entry(server, shape, t)["probe"]
 
-    def three(shape: str, t: int, server: str = "apt-serve") -> list[str]:
-        ours, peer = probe(server, shape, t), probe("vllm", shape, t)
+    def against(ours: dict, peer: dict) -> list[str]:
+        """TTFT, TPOT (one stream) and saturated output of one probe against another's."""
         return [ratio(ours["single"]["median_ttft_ms"], peer["single"]["median_ttft_ms"]),
                 ratio(ours["single"]["median_tpot_ms"], peer["single"]["median_tpot_ms"]),
                 ratio(ours["saturated"]["output_throughput"], peer["saturated"]["output_throughput"])]
+
+    def three(shape: str, t: int, server: str = "apt-serve") -> list[str]:
+        return against(probe(server, shape, t), probe("vllm", shape, t))
 
     def gain(server: str, shape: str) -> str:
         one, two = (probe(server, shape, t)["saturated"]["output_throughput"] for t in (1, 2))
@@ -304,14 +307,7 @@ def engine_speed(b: Bench) -> Row:
     a2, m2, c2 = three("125M", 2), three("350M", 2), three("1.1B", 2)
     e11 = three("1.1B", 2, "engine")
     w2 = b(rel11b)["servers"]  # a second window at 1.1B, two threads: the same probe, an hour later
-
-    def three_w2(server: str) -> list[str]:
-        ours, peer = w2[server]["probe"], w2["vllm-fp32-2t"]["probe"]
-        return [ratio(ours["single"]["median_ttft_ms"], peer["single"]["median_ttft_ms"]),
-                ratio(ours["single"]["median_tpot_ms"], peer["single"]["median_tpot_ms"]),
-                ratio(ours["saturated"]["output_throughput"], peer["saturated"]["output_throughput"])]
-
-    o2, en2 = three_w2("ours-fp32-2t"), three_w2("engine-apt-fp32-2t")
+    o2, en2 = (against(w2[label]["probe"], w2["vllm-fp32-2t"]["probe"]) for label in ("ours-fp32-2t", "engine-apt-fp32-2t"))
     off = p["ours-nopanels-fp32-2t"]["probe"]["single"]["median_tpot_ms"]
     on_ = p["ours-fp32-2t"]["probe"]["single"]["median_tpot_ms"]
     lose = (f"two threads through Serve on the two cores: 125M TTFT {a2[0]}, saturated {a2[2]}; 350M "
