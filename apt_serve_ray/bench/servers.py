@@ -153,6 +153,7 @@ def start_server(spec: ServerSpec, log: Path | str, timeout_s: float = 400.0,
         time.sleep(2)
     else:
         raise SystemExit(f"port {spec.port} still answers: stop that server first")
+    Path(log).parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as out:
         proc = subprocess.Popen(spec.cmd, env=spec.env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
