@@ -20,6 +20,18 @@ thread holds up two panels, not the call); a whole decode step of one request 0.
 0.82x (two) quiet. Eight rows (two passes over the weight) take 1.07-1.11x, sixteen 1.4x: oneDNN keeps those.
 The panels are a second copy of the weight (``weight_bytes`` counts both).
 ``APT_SERVE_PANEL_LINEAR=0`` turns them off, ``=1`` on where AVX-512 is present too.
+
+bf16 layers run steps of many rows (prefill chunks) as a float32 GEMM over the weight unpacked from
+oneDNN's layout on the fly, where that is faster on this CPU (``wide_rows``, measured once per process
+and thread count when the first bf16 layer is built). AVX512-BF16 without AMX (an Intel Xeon under KVM
+with AMX hidden, 2026-12-07) computes bf16 at the rate of float32 FMAs (``vdpbf16ps`` does twice the
+work of an FMA, at half its rate), and oneDNN's bf16 GEMM reached 0.6-0.7x MKL's float32 one: OPT-125m's
+linears at 384-512 rows took 0.63-0.80x the time that way, the weight unpacked each call included, and a
+whole prefill step of 384 or 512 tokens 0.78-0.90x (``benchmarks/wide_linear.py``,
+``docs/benchmarks/engine_speed/wide_linear_xeon.json``). Where bf16 measures faster (AMX; the AMD Zen 5 CPUs
+these figures' earlier passes ran on, whose bf16 steps took about half their float32 time) nothing changes.
+No second copy of the weight is kept. ``APT_SERVE_WIDE_LINEAR=0`` turns it
+off, ``=N`` sets the row count without measuring.
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +62,53 @@ def packing_available(dtype: torch.dtype) -> bool:
     except (RuntimeError, AttributeError) as exc:
         logger.info("oneDNN packed linear unavailable (%s): using F.linear", exc)
         return False
+
+
+WIDE_ROWS = (128, 256, 384, 512)  # the row counts ``wide_rows`` tries, the largest first
+WIDE_GAIN = 0.85  # the float32 GEMM's time over bf16's under which it is used
+
+
+def _best_ms(fn, reps: int = 3) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def measure_wide() -> tuple[int | None, dict[int, float]]:
+    """At the current compute threads: the fewest rows (of ``WIDE_ROWS``) from which a bf16 linear runs faster
+    as a float32 GEMM over its weight unpacked on the fly than as oneDNN's bf16 GEMM (None where it does not, by
+    ``WIDE_GAIN``, at the most rows), and the time ratios measured, on a 3,072 x 768 layer (~0.2-0.5 s)."""
+    g = torch.Generator().manual_seed(0)
+    packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(3072, 768, generator=g).to(torch.bfloat16))
+    found, ratios = None, {}
+    for rows in sorted(WIDE_ROWS, reverse=True):
+        x = torch.randn(rows, 768, generator=g).to(torch.bfloat16)
+        bf16 = _best_ms(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
+        wide = _best_ms(lambda: F.linear(x.float(), packed.to_dense(torch.float32)).to(torch.bfloat16))
+        ratios[rows] = round(wide / bf16, 3)
+        if wide >= WIDE_GAIN * bf16:
+            break
+        found = rows
+    return found, ratios
+
+
+@functools.cache
+def wide_rows(threads: int) -> int | None:
+    """``measure_wide``'s row count at ``threads`` threads, once per process (``APT_SERVE_WIDE_LINEAR``: 0 off,
+    N that count unmeasured)."""
+    setting = os.environ.get("APT_SERVE_WIDE_LINEAR", "auto")
+    if setting != "auto":
+        return int(setting) or None
+    if not packing_available(torch.bfloat16):
+        return None
+    found, ratios = measure_wide()
+    logger.info("bf16 linears, %d thread(s): %s (float32 over bf16 at %s rows)", threads,
+                f"float32 from {found} rows" if found else "bf16 at every size", ratios)
+    return found
 
 
 PANEL_MAX_ROWS = 6  # rows a step sends to the panels (one pass over the weight); more go to oneDNN
@@ -94,14 +154,17 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | Non
 class Linear:
     """``y = x W^T + b``. ``keep_weight``: keep the plain weight too (for callers that slice it)."""
 
-    __slots__ = ("weight", "bias", "packed", "panels", "out_features")
+    __slots__ = ("weight", "bias", "packed", "panels", "out_features", "wide")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, keep_weight: bool = False) -> None:
         self.bias = bias
         self.packed = self.panels = None
+        self.wide = False
         self.out_features = weight.shape[0]
         if weight.device.type == "cpu" and packing_available(weight.dtype):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+            # measured now, at the threads the model is built with (the engine sets them first)
+            self.wide = weight.dtype == torch.bfloat16 and wide_rows(torch.get_num_threads()) is not None
         if (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
                 and (bias is None or bias.dtype == torch.float32) and panels_available()):
             self.panels = pack_panels(weight)
@@ -113,6 +176,12 @@ class Linear:
         if (self.panels is not None and x.dim() == 2 and x.shape[0] <= PANEL_MAX_ROWS
                 and x.dtype == torch.float32 and not x.requires_grad):
             return panel_linear(x, self.panels, self.bias, self.out_features)
+        if (self.wide and x.dim() == 2 and x.shape[0] >= WIDE_ROWS[0] and x.dtype == torch.bfloat16
+                and not x.requires_grad):
+            wide = wide_rows(torch.get_num_threads())  # the threads now (a benchmark may change them)
+            if wide is not None and x.shape[0] >= wide:
+                bias = None if self.bias is None else self.bias.float()
+                return F.linear(x.float(), self.packed.to_dense(torch.float32), bias).to(torch.bfloat16)
         if self.packed is not None and x.dim() == 2:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
         if self.weight is None:  # packed only, and an input of another rank: flatten to rows

@@ -57,6 +57,7 @@ def test_packed_linear_matches_f_linear_bit_for_bit_in_bf16_and_to_rounding_in_f
     b = torch.randn(96, generator=g).to(torch.bfloat16)
     for bias in (b, None):
         layer = Linear(w, bias)
+        layer.wide = False  # many rows as float32 where that is faster: test_wide_bf16_linear_... below
         assert layer.packed is not None and layer.weight is None  # the plain copy is dropped
         for rows in (1, 7, 64, 300):
             x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
@@ -70,6 +71,54 @@ def test_packed_linear_matches_f_linear_bit_for_bit_in_bf16_and_to_rounding_in_f
     for rows in (1, 7, 300):
         x = torch.randn(rows, 64, generator=g)
         assert torch.allclose(layer(x), F.linear(x, wf, bf), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
+def test_wide_bf16_linear_is_the_float32_product_rounded_once_and_only_from_its_row_count(monkeypatch):
+    """A bf16 layer's steps of many rows as a float32 GEMM over the weight unpacked from oneDNN's layout: the
+    float32 product of the bf16 operands, rounded to bf16 once; fewer rows take oneDNN's bf16 GEMM, bit for bit."""
+    import torch.nn.functional as F
+
+    from apt_serve_ray.models import linear
+
+    if not linear.packing_available(torch.bfloat16):
+        pytest.skip("oneDNN packed linear unavailable on this CPU (the engine then uses F.linear)")
+    monkeypatch.setattr(linear, "wide_rows", lambda threads: 200)  # as if measured: float32 from 200 rows
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(96, 64, generator=g).to(torch.bfloat16)
+    b = torch.randn(96, generator=g).to(torch.bfloat16)
+    for bias in (b, None):
+        layer = linear.Linear(w, bias)
+        assert layer.wide and layer.weight is None  # no second copy of the weight is kept
+        x = torch.randn(300, 64, generator=g).to(torch.bfloat16)
+        exact = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+        out = layer(x)
+        assert out.dtype == torch.bfloat16
+        assert torch.equal(out, exact.to(torch.bfloat16)) or torch.allclose(out.float(), exact, rtol=2 ** -7, atol=1e-3)
+        few = x[:199]
+        assert torch.equal(layer(few), F.linear(few, w, bias))  # under the row count: oneDNN's bf16 GEMM
+    monkeypatch.setattr(linear, "wide_rows", lambda threads: None)
+    layer = linear.Linear(w, b)
+    assert not layer.wide and torch.equal(layer(x), F.linear(x, w, b))  # never faster here: bf16 throughout
+
+
+def test_measure_wide_returns_a_row_count_it_tried_and_the_ratios_behind_it(monkeypatch):
+    from apt_serve_ray.models import linear
+
+    if not linear.packing_available(torch.bfloat16):
+        pytest.skip("oneDNN packed linear unavailable on this CPU")
+    found, ratios = linear.measure_wide()
+    assert found is None or found in linear.WIDE_ROWS
+    assert ratios and all(r > 0 for r in ratios.values()) and max(linear.WIDE_ROWS) in ratios
+    if found is not None:  # every count from it up was faster by WIDE_GAIN
+        assert all(ratios[r] < linear.WIDE_GAIN for r in linear.WIDE_ROWS if r >= found)
+    linear.wide_rows.cache_clear()
+    monkeypatch.setenv("APT_SERVE_WIDE_LINEAR", "0")
+    assert linear.wide_rows(1) is None
+    linear.wide_rows.cache_clear()
+    monkeypatch.setenv("APT_SERVE_WIDE_LINEAR", "256")
+    assert linear.wide_rows(1) == 256
+    linear.wide_rows.cache_clear()
 
 
 @pytest.mark.gpu
