@@ -365,6 +365,42 @@ def engine_speed_bf16(b: Bench) -> Row:
                "`*-bf16-1t`, `ours-bf16-2t-bound-*`)")
 
 
+def engine_speed_xeon(b: Bench) -> Row:
+    """An Intel Xeon with AVX512-BF16 and no AMX: both dtypes, and bf16's many-row GEMMs in float32 (seventh pass)."""
+    rb, rf, rw = ("engine_speed/probe_bf16_xeon.json", "engine_speed/probe_fp32_xeon.json",
+                  "engine_speed/wide_linear_xeon.json")
+    pb, pf = b(rb)["servers"], b(rf)["servers"]
+    w = b(rw)
+
+    def vs(ours: str, peer: str, runs: dict) -> str:
+        o, v = runs[ours]["probe"], runs[peer]["probe"]
+        return " / ".join([ratio(o["single"]["median_ttft_ms"], v["single"]["median_ttft_ms"]),
+                           ratio(o["single"]["median_tpot_ms"], v["single"]["median_tpot_ms"]),
+                           ratio(o["saturated"]["output_throughput"], v["saturated"]["output_throughput"])])
+
+    step = {(r["threads"], r["chunk"]): r["ratio"] for r in w["rows"]}
+    steps = span([step[(t, c)] for t in (1, 2) for c in ("384 @ 0", "512 @ 1024")])
+    figure = (f"bf16, two threads, one window: the engine alone TTFT / TPOT / saturated **{vs('engine-bf16-2t-wide', 'vllm-bf16-2t-b', pb)}** "
+              f"vLLM's whole server (with bf16 GEMMs {vs('engine-bf16-2t-nowide', 'vllm-bf16-2t-b', pb)}: a prefill step's "
+              f"many-row GEMMs in float32 take it {steps}x the time, `wide_linear.json`); fp32 one thread through Serve "
+              f"**{vs('ours-fp32-1t', 'vllm-fp32-1t', pf)}**; bf16 one thread through Serve {vs('ours-bf16-1t-wide', 'vllm-bf16-1t', pb)} "
+              "(vLLM's run an hour earlier).")
+    lose = (f"two threads through Serve: bf16 {vs('ours-bf16-2t-wide', 'vllm-bf16-2t-b', pb)} (before the float32 GEMMs, "
+            f"another window: {vs('ours-bf16-2t', 'vllm-bf16-2t', pb)}), fp32 {vs('ours-fp32-2t', 'vllm-fp32-2t', pf)}, the engine "
+            f"alone level ({vs('engine-fp32-2t', 'vllm-fp32-2t', pf)} in fp32): the Serve app's wake-ups on the two cores "
+            "(docs: ~3,700 a second; timer slack for them tried, within the noise); bf16 here computes no faster than "
+            "fp32 (no AMX; docs)")
+    used = [*pb.values(), *pf.values()]
+    on = measured_on(machine(b(rb)["machine"], "(no AMX, 2.3 GHz)"), "real engines", docs("random weights"),
+                     "bf16 and fp32 (the labels)", "1 and 2 threads (the labels)", days(v["date"] for v in used))
+    return Row("engine speed on a CPU with AVX512-BF16 and no AMX against vLLM CPU 0.32 with its defaults, OPT-125m "
+               "shape, same pages, budget and threads: TTFT and TPOT of one stream, output tok/s with 64 sent at once",
+               figure, lose, on,
+               "`peer_sweep.py --start engine` (and `ours`, `vllm`) `--probe-only --dtype bfloat16` (and `float32`) "
+               "`--threads 2` (and 1) (`-nowide`: `APT_SERVE_WIDE_LINEAR=0`); `benchmarks/wide_linear.py` "
+               f"(issue 41; {jpath(rb, rf, rw)})")
+
+
 def prefix_reuse(b: Bench) -> Row:
     rel = "prefix/serve_fp32_epyc.json"
     d = b(rel)
@@ -577,7 +613,7 @@ def fleet(b: Bench) -> Row:
                f"`benchmarks/fleet_sim.py autoscale` / `router` / `scale`, `benchmarks/autoscale_serve.py` (issue 31; {jpath(*rels)})")
 
 
-ROWS: list[Callable[[Bench], Row]] = [bursts_bf16, bursts_fp32, decision_cost, engine_speed_bf16, engine_speed, prefix_reuse, socket_bytes,
+ROWS: list[Callable[[Bench], Row]] = [bursts_bf16, bursts_fp32, decision_cost, engine_speed_xeon, engine_speed_bf16, engine_speed, prefix_reuse, socket_bytes,
                                      architectures, sampler, int8_accuracy, quantized_weights, fleet]
 
 FOOTNOTES = [
