@@ -24,8 +24,8 @@ The panels are a second copy of the weight (``weight_bytes`` counts both).
 bf16 layers run steps of many rows (prefill chunks) as a float32 GEMM over the weight unpacked from
 oneDNN's layout on the fly, where that is faster on this CPU (``wide_rows``, measured once per process
 and thread count when the first bf16 layer is built). AVX512-BF16 without AMX (an Intel Xeon under KVM
-with AMX hidden, 2026-12-07) computes bf16 at the rate of float32 FMAs (``vdpbf16ps`` does twice the
-work of an FMA, at half its rate), and oneDNN's bf16 GEMM reached 0.6-0.7x MKL's float32 one: OPT-125m's
+with AMX hidden, 2026-12-07) computes bf16 dot products no faster than float32 FMAs: oneDNN's bf16 GEMM
+(``brg_matmul:avx512_core_bf16``) reached 0.6-0.7x the FLOP rate of MKL's float32 one. OPT-125m's
 linears at 384-512 rows took 0.63-0.80x the time that way, the weight unpacked each call included, and a
 whole prefill step of 384 or 512 tokens 0.78-0.90x (``benchmarks/wide_linear.py``,
 ``docs/benchmarks/engine_speed/wide_linear_xeon.json``). Where bf16 measures faster (AMX; the AMD Zen 5 CPUs
