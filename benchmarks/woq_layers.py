@@ -11,27 +11,16 @@ the same input; "widen" alone is the scratch's cost.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 from apt_serve_ray.bench.report import stamp, write_json
 from apt_serve_ray.kernels import cpu_attention
-from apt_serve_ray.models.linear import Linear
+from apt_serve_ray.models.linear import Linear, fastest
 from apt_serve_ray.models.quant import Int4Linear, Int8Linear, native_int8_kernel
 
 SHAPES = {"smollm2 qkv": (960, 576), "smollm2 gate_up": (3072, 576), "smollm2 down": (576, 1536),
           "tinyllama gate_up": (11264, 2048), "tinyllama down": (2048, 5632)}
-
-
-def fastest(f, repeats: int) -> float:
-    f()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        f()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def main() -> None:

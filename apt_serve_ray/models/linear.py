@@ -68,14 +68,15 @@ WIDE_ROWS = (128, 256, 384, 512)  # the row counts ``wide_rows`` tries, the larg
 WIDE_GAIN = 0.85  # the float32 GEMM's time over bf16's under which it is used
 
 
-def _best_ms(fn, reps: int = 3) -> float:
+def fastest(fn, repeats: int = 3) -> float:
+    """The fastest of ``repeats`` calls of ``fn`` after one warm-up, in seconds."""
     fn()
     best = float("inf")
-    for _ in range(reps):
+    for _ in range(repeats):
         start = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - start)
-    return best * 1e3
+    return best
 
 
 def measure_wide() -> tuple[int | None, dict[int, float]]:
@@ -87,8 +88,8 @@ def measure_wide() -> tuple[int | None, dict[int, float]]:
     found, ratios = None, {}
     for rows in sorted(WIDE_ROWS, reverse=True):
         x = torch.randn(rows, 768, generator=g).to(torch.bfloat16)
-        bf16 = _best_ms(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
-        wide = _best_ms(lambda: F.linear(x.float(), packed.to_dense(torch.float32)).to(torch.bfloat16))
+        bf16 = fastest(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
+        wide = fastest(lambda: F.linear(x.float(), packed.to_dense(torch.float32)).to(torch.bfloat16))
         ratios[rows] = round(wide / bf16, 3)
         if wide >= WIDE_GAIN * bf16:
             break
