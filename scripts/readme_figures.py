@@ -367,10 +367,10 @@ def engine_speed_bf16(b: Bench) -> Row:
 
 def engine_speed_xeon(b: Bench) -> Row:
     """An Intel Xeon with AVX512-BF16 and no AMX: both dtypes, and bf16's many-row GEMMs in float32 (seventh pass)."""
-    rb, rf, rw = ("engine_speed/probe_bf16_xeon.json", "engine_speed/probe_fp32_xeon.json",
-                  "engine_speed/wide_linear_xeon.json")
+    rb, rf = "engine_speed/probe_bf16_xeon.json", "engine_speed/probe_fp32_xeon.json"
+    rws = ["engine_speed/wide_linear_xeon.json", "engine_speed/wide_linear_xeon_2.json",
+           "engine_speed/wide_linear_xeon_3.json"]  # three runs of the step A/B
     pb, pf = b(rb)["servers"], b(rf)["servers"]
-    w = b(rw)
 
     def vs(ours: str, peer: str, runs: dict) -> str:
         o, v = runs[ours]["probe"], runs[peer]["probe"]
@@ -378,11 +378,12 @@ def engine_speed_xeon(b: Bench) -> Row:
                            ratio(o["single"]["median_tpot_ms"], v["single"]["median_tpot_ms"]),
                            ratio(o["saturated"]["output_throughput"], v["saturated"]["output_throughput"])])
 
-    step = {(r["threads"], r["chunk"]): r["ratio"] for r in w["rows"]}
-    steps = span([step[(t, c)] for t in (1, 2) for c in ("384 @ 0", "512 @ 1024")])
+    def steps(t: int) -> str:
+        return span([r["ratio"] for rw in rws for r in b(rw)["rows"] if r["threads"] == t and r["chunk"] != "128 @ 0"])
+
     figure = (f"bf16, two threads, one window: the engine alone TTFT / TPOT / saturated **{vs('engine-bf16-2t-wide', 'vllm-bf16-2t-b', pb)}** "
               f"vLLM's whole server (with bf16 GEMMs {vs('engine-bf16-2t-nowide', 'vllm-bf16-2t-b', pb)}: a prefill step's "
-              f"many-row GEMMs in float32 take it {steps}x the time, `wide_linear.json`); fp32 one thread through Serve "
+              f"many-row GEMMs in float32 take it {steps(1)}x the time at one thread, {steps(2)}x at two, three runs); fp32 one thread through Serve "
               f"**{vs('ours-fp32-1t', 'vllm-fp32-1t', pf)}**; bf16 one thread through Serve {vs('ours-bf16-1t-wide', 'vllm-bf16-1t', pb)} "
               "(vLLM's run an hour earlier).")
     lose = (f"two threads through Serve: bf16 {vs('ours-bf16-2t-wide', 'vllm-bf16-2t-b', pb)} (before the float32 GEMMs, "
@@ -398,7 +399,7 @@ def engine_speed_xeon(b: Bench) -> Row:
                figure, lose, on,
                "`peer_sweep.py --start engine` (and `ours`, `vllm`) `--probe-only --dtype bfloat16` (and `float32`) "
                "`--threads 2` (and 1) (`-nowide`: `APT_SERVE_WIDE_LINEAR=0`); `benchmarks/wide_linear.py` "
-               f"(issue 41; {jpath(rb, rf, rw)})")
+               f"(issue 41; {jpath(rb, rf, *rws)})")
 
 
 def prefix_reuse(b: Bench) -> Row:

@@ -27,8 +27,8 @@ and thread count when the first bf16 layer is built). AVX512-BF16 without AMX (a
 with AMX hidden, 2026-12-07) computes bf16 dot products no faster than float32 FMAs: oneDNN's bf16 GEMM
 (``brg_matmul:avx512_core_bf16``) reached 0.6-0.7x the FLOP rate of MKL's float32 one. OPT-125m's
 linears at 384-512 rows took 0.63-0.80x the time that way, the weight unpacked each call included, and a
-whole prefill step of 384 or 512 tokens 0.78-0.90x (``benchmarks/wide_linear.py``,
-``docs/benchmarks/engine_speed/wide_linear_xeon.json``). Where bf16 measures faster (AMX; the AMD Zen 5 CPUs
+whole prefill step of 384 or 512 tokens 0.78-0.85x at one thread and 0.83-1.00x at two, over three runs
+(``benchmarks/wide_linear.py``, ``docs/benchmarks/engine_speed/wide_linear_xeon*.json``). Where bf16 measures faster (AMX; the AMD Zen 5 CPUs
 these figures' earlier passes ran on, whose bf16 steps took about half their float32 time) nothing changes.
 No second copy of the weight is kept. ``APT_SERVE_WIDE_LINEAR=0`` turns it
 off, ``=N`` sets the row count without measuring.
