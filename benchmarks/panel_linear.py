@@ -53,24 +53,6 @@ def engine(path: str, panels: bool):
     return llm, runner
 
 
-def layers_of(model) -> list:
-    """The model's linear layers (``Linear`` objects), found by walking its attributes."""
-    found, seen, todo = [], set(), [model]
-    while todo:
-        obj = todo.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, linear.Linear):
-            found.append(obj)
-            continue
-        if isinstance(obj, (list, tuple)):
-            todo.extend(obj)
-        elif hasattr(obj, "__dict__") and not isinstance(obj, (torch.Tensor, type)):
-            todo.extend(v for v in vars(obj).values() if not isinstance(v, (torch.Tensor, str, int, float)))
-    return found
-
-
 def time_layers(layers, rows: int, use_panels: bool, repeats: int) -> float:
     xs = {k: torch.randn(rows, k) for k in {layer.panels.shape[1] for layer in layers}}  # one x per input width
 
@@ -129,7 +111,7 @@ def main(argv=None) -> int:
     path = random_checkpoint(a.shape, a.cache_dir)
     with_panels, runner_p = engine(path, True)
     without, runner_o = engine(path, False)
-    layers = layers_of(runner_p.model)
+    layers = linear.model_linears(runner_p.model)
     assert layers and all(layer.panels is not None and layer.packed is not None for layer in layers), "no panels"
     steps = {f"decode x{b} @ 400": [(400, 1)] * b for b in (1, 4)}
     cpus = cpu_affinity.available_cpus()

@@ -19,26 +19,10 @@ import torch
 from apt_serve_ray.bench.engine_args import add_cache_dir, random_checkpoint
 from apt_serve_ray.bench.report import stamp, write_json
 from apt_serve_ray.bench.steps import build, fake_step, fill_pages, time_step
-from apt_serve_ray.models.linear import Linear, measure_wide
+from apt_serve_ray.models.linear import measure_wide, model_linears
 from apt_serve_ray.request import CacheKind
 
 CHUNKS = {"128 @ 0": [(128, 128)], "384 @ 0": [(384, 384)], "512 @ 1024": [(1536, 512)]}
-
-
-def layers(model) -> list[Linear]:
-    seen, found, stack = set(), [], [model]
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, Linear):
-            found.append(obj)
-        elif isinstance(obj, (list, tuple)):
-            stack.extend(obj)
-        elif hasattr(obj, "__dict__"):
-            stack.extend(v for v in vars(obj).values() if not isinstance(v, torch.Tensor))
-    return found
 
 
 def main() -> None:
@@ -51,7 +35,7 @@ def main() -> None:
     args = p.parse_args()
     llm = build(random_checkpoint(args.shape, args.cache_dir, dtype="bfloat16"), "fast", True, "bfloat16", 512, "cpu")
     runner = llm.llm_engine.runner
-    linears = [layer for layer in layers(runner.model) if layer.packed is not None]
+    linears = [layer for layer in model_linears(runner.model) if layer.packed is not None]
     if not linears:
         raise SystemExit("no packed bf16 layers (oneDNN unavailable?)")
     fill_pages(runner.storage, CacheKind.KV, 200)

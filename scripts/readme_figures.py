@@ -266,6 +266,13 @@ def decision_cost(b: Bench) -> Row:
     return Row(what, figure, lose, on, f"`benchmarks/scheduler_overhead.py --policy-options` (issue 44; {jpath(*rels)})")
 
 
+def against(ours: dict, peer: dict) -> list[str]:
+    """TTFT, TPOT (one stream) and saturated output of one probe against another's."""
+    return [ratio(ours["single"]["median_ttft_ms"], peer["single"]["median_ttft_ms"]),
+            ratio(ours["single"]["median_tpot_ms"], peer["single"]["median_tpot_ms"]),
+            ratio(ours["saturated"]["output_throughput"], peer["saturated"]["output_throughput"])]
+
+
 def engine_speed(b: Bench) -> Row:
     rel125, rel350, rel350_1, rel11 = ("engine_speed/probe_avx2_fifth.json", "engine_speed/probe_avx2_opt350m.json",
                                        "engine_speed/probe_avx2_opt350m_1t.json", "engine_speed/probe_avx2_tinyllama.json")
@@ -283,12 +290,6 @@ def engine_speed(b: Bench) -> Row:
 
     def probe(server: str, shape: str, t: int) -> dict:
         return entry(server, shape, t)["probe"]
-
-    def against(ours: dict, peer: dict) -> list[str]:
-        """TTFT, TPOT (one stream) and saturated output of one probe against another's."""
-        return [ratio(ours["single"]["median_ttft_ms"], peer["single"]["median_ttft_ms"]),
-                ratio(ours["single"]["median_tpot_ms"], peer["single"]["median_tpot_ms"]),
-                ratio(ours["saturated"]["output_throughput"], peer["saturated"]["output_throughput"])]
 
     def three(shape: str, t: int, server: str = "apt-serve") -> list[str]:
         return against(probe(server, shape, t), probe("vllm", shape, t))
@@ -373,10 +374,7 @@ def engine_speed_xeon(b: Bench) -> Row:
     pb, pf = b(rb)["servers"], b(rf)["servers"]
 
     def vs(ours: str, peer: str, runs: dict) -> str:
-        o, v = runs[ours]["probe"], runs[peer]["probe"]
-        return " / ".join([ratio(o["single"]["median_ttft_ms"], v["single"]["median_ttft_ms"]),
-                           ratio(o["single"]["median_tpot_ms"], v["single"]["median_tpot_ms"]),
-                           ratio(o["saturated"]["output_throughput"], v["saturated"]["output_throughput"])])
+        return " / ".join(against(runs[ours]["probe"], runs[peer]["probe"]))
 
     def steps(t: int) -> str:
         return span([r["ratio"] for rw in rws for r in b(rw)["rows"] if r["threads"] == t and r["chunk"] != "128 @ 0"])

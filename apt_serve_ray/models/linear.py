@@ -190,6 +190,24 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
 
+def model_linears(model) -> list[Linear]:
+    """The model's ``Linear`` layers, found by walking its attributes (for benchmarks that time or switch them)."""
+    found, seen, todo = [], set(), [model]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, Linear):
+            found.append(obj)
+            continue
+        if isinstance(obj, (list, tuple)):
+            todo.extend(obj)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, (torch.Tensor, type)):
+            todo.extend(v for v in vars(obj).values() if not isinstance(v, (torch.Tensor, str, int, float)))
+    return found
+
+
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, *, quantization: str | None = None,
                 keep_weight: bool = False, keep_rows: int = 0):
     """A ``Linear``, or with ``quantization`` ("int8" / "int4"), or for a checkpoint's codes (a
