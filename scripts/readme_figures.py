@@ -633,7 +633,10 @@ FOOTNOTES = [
     "single-stream prompts among the 64 saturated ones (prefix-cache hits for every server alike) until the commit "
     "after 61ca2f0. Every row measured on the default model through `serve_config.yaml` ran it at full width: since "
     "9fcf3cd the shipped config serves it in int4 (its shipped codes; through Serve TPOT 0.79x, TTFT 1.09x, saturated "
-    "output 0.97x full width's, docs/benchmarks.md), and those rows were not re-run.",
+    "output 0.97x full width's, docs/benchmarks.md), and those rows were not re-run. Every bf16 row but the "
+    "AVX512-BF16-without-AMX one ran before c077f90 (bf16 prefill GEMMs in float32 where a CPU runs that faster) on "
+    "CPUs whose bf16 was the faster (Zen 5, AMX), where `measure_wide` keeps bf16 and nothing changes; not re-run "
+    "there to confirm it.",
 ]
 
 
