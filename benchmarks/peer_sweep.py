@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import shlex
@@ -160,7 +161,25 @@ def engine_config(args):
 
 def measure_engine(args, report: dict) -> None:
     """--start engine: the probe against an AsyncLLMEngine in this process (its engine process), no Serve
-    app and no HTTP: the engine's own speed, beside the same probe through the server."""
+    app and no HTTP: the engine's own speed, beside the same probe through the server. With --beside, an idle
+    server runs beside it the whole time: what its processes alone cost the engine's compute threads."""
+    with contextlib.ExitStack() as stack:
+        if args.beside is not None:  # an idle Serve app beside the probe, up before the engine starts
+            print(f"starting {args.beside} beside the engine", flush=True)
+            stack.enter_context(servers.running(beside_spec(args), args.log_dir / f"peer_sweep_{args.label}_beside.log"))
+        probe_engine(args, report)
+
+
+def beside_spec(args) -> servers.ServerSpec:
+    """--beside: ``bare-serve`` (``benchmarks/bare_serve.py``: Ray Serve and one trivial deployment) or
+    ``app`` (our app on the same checkpoint and engine settings, as --start ours starts it), idle."""
+    if args.beside == "bare-serve":
+        cmd = [servers._serve_binary(), "run", "benchmarks.bare_serve:app"]
+        return servers.ServerSpec("bare-serve", cmd, servers.server_env(), servers.OURS_PORT)
+    return start_spec(argparse.Namespace(**{**vars(args), "start": "ours"}))
+
+
+def probe_engine(args, report: dict) -> None:
     from apt_serve_ray import AsyncLLMEngine
     from apt_serve_ray.bench.engine_client import replay_engine
 
@@ -172,9 +191,10 @@ def measure_engine(args, report: dict) -> None:
             return loop.run_until_complete(replay_engine(trace, engine, client, {}))
 
         header = stamp(threads=args.num_threads, dtype=args.dtype, model=args.shape, simulated=False,
-                       started_here="engine")
+                       started_here="engine", beside=args.beside)
         print(f"\n== {args.label} probe (in-process engine)", flush=True)
-        result = entry(header, args, None, args.shape, "AsyncLLMEngine in the client's process",
+        where = "AsyncLLMEngine in the client's process" + (f", beside an idle {args.beside}" if args.beside else "")
+        result = entry(header, args, None, args.shape, where,
                        probe("", args.shape, args, run))
     finally:
         engine.shutdown()
@@ -253,6 +273,9 @@ def main(argv=None) -> int:
                          "--shape say what it serves; ours with watermarks at 1.0 (vLLM has no admission control, "
                          "and a 503 would count as a miss) and the SLOs as its defaults (apt schedules by them); "
                          "engine: ours's engine config in this process, no Serve app or HTTP (--probe-only)")
+    ap.add_argument("--beside", choices=("bare-serve", "app"), default=None,
+                    help="--start engine: keep an idle server running beside the probe: bare-serve (Ray Serve with "
+                         "one trivial deployment, benchmarks/bare_serve.py) or app (ours, as --start ours starts it)")
     ap.add_argument("--shape", default="opt-125m", help="--start: the random-weight checkpoint served (its name)")
     ap.add_argument("--checkpoint", default=None,
                     help="--start: serve this local folder instead (e.g. quantized by models/quantize_checkpoint.py), "
@@ -272,6 +295,8 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"--workloads: unknown {sorted(unknown)}; valid: {sorted(DEFAULT_RATES)}")
 
+    if args.beside is not None and args.start != "engine":
+        ap.error("--beside: only with --start engine")
     if args.start == "engine" and not args.probe_only:
         ap.error("--start engine: only the probe (--probe-only); the rate sweep's traces go through a server")
     report = json.loads(args.json.read_text()) if args.json and args.json.exists() else {"servers": {}}

@@ -1,0 +1,59 @@
+"""peer_sweep.py's arguments: --beside (an idle server beside the in-process engine's probe)."""
+
+import asyncio
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def peer_sweep():
+    return load("peer_sweep")
+
+
+@pytest.mark.parametrize("argv", [["--label", "x", "--beside", "app"],
+                                  ["--label", "x", "--start", "ours", "--beside", "bare-serve"],
+                                  ["--label", "x", "--start", "engine", "--beside", "nothing", "--probe-only"]])
+def test_beside_is_refused_without_the_in_process_engine(peer_sweep, argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        peer_sweep.main(argv)
+    assert exc.value.code == 2 and "--beside" in capsys.readouterr().err
+
+
+def _args(peer_sweep, beside, tmp_path):
+    ap_args = ["--label", "x", "--start", "engine", "--probe-only", "--beside", beside, "--cache-dir", str(tmp_path)]
+    seen = {}
+    original = peer_sweep.measure_engine
+    peer_sweep.measure_engine = lambda args, report: seen.setdefault("args", args)
+    try:
+        peer_sweep.main(ap_args)
+    finally:
+        peer_sweep.measure_engine = original
+    return seen["args"]
+
+
+def test_beside_starts_bare_serve_or_our_app_on_ours_port(peer_sweep, tmp_path, monkeypatch):
+    monkeypatch.setattr(peer_sweep, "random_checkpoint", lambda shape, cache_dir: str(tmp_path / shape))
+    bare = peer_sweep.beside_spec(_args(peer_sweep, "bare-serve", tmp_path))
+    assert bare.cmd[-2:] == ["run", "benchmarks.bare_serve:app"] and bare.port == 8000
+    args = _args(peer_sweep, "app", tmp_path)
+    app = peer_sweep.beside_spec(args)
+    ours = peer_sweep.start_spec(type(args)(**{**vars(args), "start": "ours"}))
+    assert app.cmd == ours.cmd and "deployments.app:build_app" in app.cmd
+
+
+def test_the_bare_app_answers_models():
+    bare = load("bare_serve")
+    body = asyncio.run(bare.Models.func_or_class()(None))
+    assert body["object"] == "list" and body["data"][0]["id"] == "bare-serve"
