@@ -239,7 +239,8 @@ def measure(args, report: dict, base_url: str) -> None:
     keep(args, report, result)
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, checked (``wakeups.py`` starts its servers from the same flags)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base-url", default="http://127.0.0.1:8000")
     ap.add_argument("--endpoint", default="/v1/completions")
@@ -299,6 +300,11 @@ def main(argv=None) -> int:
         ap.error("--beside: only with --start engine")
     if args.start == "engine" and not args.probe_only:
         ap.error("--start engine: only the probe (--probe-only); the rate sweep's traces go through a server")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     report = json.loads(args.json.read_text()) if args.json and args.json.exists() else {"servers": {}}
     if args.start == "engine":
         measure_engine(args, report)

@@ -366,6 +366,37 @@ def engine_speed_bf16(b: Bench) -> Row:
                "`*-bf16-1t`, `ours-bf16-2t-bound-*`)")
 
 
+def serve_floor_xeon(b: Bench) -> Row:
+    """Two threads on two cores: the engine beside an idle bare Ray Serve app, ours through Serve, vLLM (eighth pass)."""
+    rel, relw = "engine_speed/serve_floor_xeon.json", "engine_speed/wakeups_xeon.json"
+    p, w = b(rel)["servers"], b(relw)["runs"]
+
+    def vs(ours: str, peer: str) -> str:
+        return " / ".join(against(p[ours]["probe"], p[peer]["probe"]))
+
+    def cpu(run: str) -> str:
+        return f"{100 * w[run]['total_cpu_share']:.0f}%"
+
+    rounds = [("bf16-2t-a", "bf16"), ("bf16-2t-b", "bf16"), ("fp32-2t-a", "fp32")]
+    floor = "; ".join(f"{d} {vs(f'engine-bare-{r}', f'vllm-{r}')}" for r, d in rounds)
+    figure = (f"one thread through Serve, bf16, one window: TTFT / TPOT / saturated **{vs('ours-bf16-1t-a', 'vllm-bf16-1t-a')}** "
+              f"vLLM's; two threads, the engine alone {'; '.join(vs(f'engine-{r}', f'vllm-{r}') for r, _ in rounds)} "
+              "(bf16 twice, fp32).")
+    lose = (f"two threads through Serve: {'; '.join(vs(f'ours-{r}', f'vllm-{r}') for r, _ in rounds)}. The same engine "
+            f"beside an idle bare Ray Serve app (one trivial deployment; nothing sent to it): {floor}: any Ray Serve "
+            f"app on the engine's two cores loses saturated output to vLLM here; ours adds to that floor. At rest, a "
+            f"share of one core: bare Ray Serve {cpu('bare-serve-idle')}, ours {cpu('ours-idle')}, vLLM {cpu('vllm-idle')}")
+    used = list(p.values())
+    on = measured_on(machine(b(rel)["machine"], "(no AMX, 2.3 GHz)"), "real engines", docs("random weights"),
+                     "bf16 and fp32 (the labels)", "1 and 2 threads (the labels)", days(v["date"] for v in used))
+    return Row("what Ray Serve itself costs an engine that computes on both of two cores, against vLLM CPU 0.32 with its "
+               "defaults, OPT-125m shape, same pages, budget and threads: TTFT and TPOT of one stream, output tok/s with "
+               "64 sent at once", figure, lose, on,
+               "`peer_sweep.py --start engine --beside bare-serve` (and `--start engine`, `ours`, `vllm`) `--probe-only "
+               "--dtype bfloat16` (and `float32`) `--threads 2` (and 1); `benchmarks/wakeups.py --start bare-serve ours "
+               f"vllm --saturate 64` (issue 41; {jpath(rel, relw)})")
+
+
 def engine_speed_xeon(b: Bench) -> Row:
     """An Intel Xeon with AVX512-BF16 and no AMX: both dtypes, and bf16's many-row GEMMs in float32 (seventh pass)."""
     rb, rf = "engine_speed/probe_bf16_xeon.json", "engine_speed/probe_fp32_xeon.json"
@@ -612,7 +643,7 @@ def fleet(b: Bench) -> Row:
                f"`benchmarks/fleet_sim.py autoscale` / `router` / `scale`, `benchmarks/autoscale_serve.py` (issue 31; {jpath(*rels)})")
 
 
-ROWS: list[Callable[[Bench], Row]] = [bursts_bf16, bursts_fp32, decision_cost, engine_speed_xeon, engine_speed_bf16, engine_speed, prefix_reuse, socket_bytes,
+ROWS: list[Callable[[Bench], Row]] = [bursts_bf16, bursts_fp32, decision_cost, serve_floor_xeon, engine_speed_xeon, engine_speed_bf16, engine_speed, prefix_reuse, socket_bytes,
                                      architectures, sampler, int8_accuracy, quantized_weights, fleet]
 
 FOOTNOTES = [

@@ -32,15 +32,8 @@ def test_beside_is_refused_without_the_in_process_engine(peer_sweep, argv, capsy
 
 
 def _args(peer_sweep, beside, tmp_path):
-    ap_args = ["--label", "x", "--start", "engine", "--probe-only", "--beside", beside, "--cache-dir", str(tmp_path)]
-    seen = {}
-    original = peer_sweep.measure_engine
-    peer_sweep.measure_engine = lambda args, report: seen.setdefault("args", args)
-    try:
-        peer_sweep.main(ap_args)
-    finally:
-        peer_sweep.measure_engine = original
-    return seen["args"]
+    return peer_sweep.parse_args(["--label", "x", "--start", "engine", "--probe-only", "--beside", beside,
+                                  "--cache-dir", str(tmp_path)])
 
 
 def test_beside_starts_bare_serve_or_our_app_on_ours_port(peer_sweep, tmp_path, monkeypatch):
