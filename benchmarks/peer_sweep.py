@@ -174,7 +174,7 @@ def beside_spec(args) -> servers.ServerSpec:
     """--beside: ``bare-serve`` (``benchmarks/bare_serve.py``: Ray Serve and one trivial deployment) or
     ``app`` (our app on the same checkpoint and engine settings, as --start ours starts it), idle."""
     if args.beside == "bare-serve":
-        cmd = [servers._serve_binary(), "run", "benchmarks.bare_serve:app"]
+        cmd = [servers.serve_binary(), "run", "benchmarks.bare_serve:app"]
         return servers.ServerSpec("bare-serve", cmd, servers.server_env(), servers.OURS_PORT)
     return start_spec(argparse.Namespace(**{**vars(args), "start": "ours"}))
 

@@ -369,10 +369,15 @@ def engine_speed_bf16(b: Bench) -> Row:
 def serve_floor_xeon(b: Bench) -> Row:
     """Two threads on two cores: the engine beside an idle bare Ray Serve app, ours through Serve, vLLM (eighth pass)."""
     rel, relw = "engine_speed/serve_floor_xeon.json", "engine_speed/wakeups_xeon.json"
-    p, w = b(rel)["servers"], b(relw)["runs"]
+    rel350 = "engine_speed/probe_xeon_opt350m.json"  # one thread, two alternated pairs
+    p, w, p350 = b(rel)["servers"], b(relw)["runs"], b(rel350)["servers"]
 
     def vs(ours: str, peer: str) -> str:
         return " / ".join(against(p[ours]["probe"], p[peer]["probe"]))
+
+    def vs350(part: int) -> str:
+        return span([float(against(p350[f"ours-bf16-1t{r}"]["probe"], p350[f"vllm-bf16-1t{r}"]["probe"])[part][:-1])
+                     for r in ("", "-b")]) + "x"
 
     def cpu(run: str) -> str:
         return f"{100 * w[run]['total_cpu_share']:.0f}%"
@@ -380,21 +385,23 @@ def serve_floor_xeon(b: Bench) -> Row:
     rounds = [("bf16-2t-a", "bf16"), ("bf16-2t-b", "bf16"), ("fp32-2t-a", "fp32")]
     floor = "; ".join(f"{d} {vs(f'engine-bare-{r}', f'vllm-{r}')}" for r, d in rounds)
     figure = (f"one thread through Serve, bf16, one window: TTFT / TPOT / saturated **{vs('ours-bf16-1t-a', 'vllm-bf16-1t-a')}** "
-              f"vLLM's; two threads, the engine alone {'; '.join(vs(f'engine-{r}', f'vllm-{r}') for r, _ in rounds)} "
+              f"vLLM's (OPT-350m shape, two pairs: TTFT {vs350(0)}, saturated {vs350(2)}); two threads, the engine alone {'; '.join(vs(f'engine-{r}', f'vllm-{r}') for r, _ in rounds)} "
               "(bf16 twice, fp32).")
     lose = (f"two threads through Serve: {'; '.join(vs(f'ours-{r}', f'vllm-{r}') for r, _ in rounds)}. The same engine "
             f"beside an idle bare Ray Serve app (one trivial deployment; nothing sent to it): {floor}: any Ray Serve "
             f"app on the engine's two cores loses saturated output to vLLM here; ours adds to that floor. At rest, a "
-            f"share of one core: bare Ray Serve {cpu('bare-serve-idle')}, ours {cpu('ours-idle')}, vLLM {cpu('vllm-idle')}")
-    used = list(p.values())
+            f"share of one core: bare Ray Serve {cpu('bare-serve-idle')}, ours {cpu('ours-idle')}, vLLM {cpu('vllm-idle')}. "
+            f"OPT-350m at one thread: TPOT {vs350(1)} (a decode step's bf16 GEMVs read the weights slower than vLLM's; docs)")
+    used = [*p.values(), *p350.values()]
     on = measured_on(machine(b(rel)["machine"], "(no AMX, 2.3 GHz)"), "real engines", docs("random weights"),
                      "bf16 and fp32 (the labels)", "1 and 2 threads (the labels)", days(v["date"] for v in used))
     return Row("what Ray Serve itself costs an engine that computes on both of two cores, against vLLM CPU 0.32 with its "
                "defaults, OPT-125m shape, same pages, budget and threads: TTFT and TPOT of one stream, output tok/s with "
                "64 sent at once", figure, lose, on,
                "`peer_sweep.py --start engine --beside bare-serve` (and `--start engine`, `ours`, `vllm`) `--probe-only "
-               "--dtype bfloat16` (and `float32`) `--threads 2` (and 1); `benchmarks/wakeups.py --start bare-serve ours "
-               f"vllm --saturate 64` (issue 41; {jpath(rel, relw)})")
+               "--dtype bfloat16` (and `float32`) `--threads 2` (and 1; `--shape opt-350m --probe-single 4 "
+               "--probe-saturated 16 --timeout 900`); `benchmarks/wakeups.py --start bare-serve ours vllm --saturate 64` "
+               f"(issue 41; {jpath(rel, rel350, relw)})")
 
 
 def engine_speed_xeon(b: Bench) -> Row:

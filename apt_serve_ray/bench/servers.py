@@ -52,7 +52,7 @@ def server_env(**extra: str) -> dict:
                 PYTHONPATH=pythonpath, **extra)
 
 
-def _serve_binary() -> str:
+def serve_binary() -> str:
     beside = Path(sys.executable).parent / "serve"
     return str(beside) if beside.exists() else (shutil.which("serve") or "serve")
 
@@ -63,10 +63,10 @@ def ours(engine: dict | None = None, *, model: str | None = None, served_model_n
     """``serve run`` of our app: ``config`` (a Serve config file, its arguments as written) or
     ``deployments.app:build_app`` with ``engine`` (EngineConfig / app fields) as ``key=value``."""
     if config is not None:
-        cmd = [_serve_binary(), "run", config]
+        cmd = [serve_binary(), "run", config]
     else:
         head = {"model": model, "served_model_name": served_model_name}
-        cmd = [_serve_binary(), "run", "deployments.app:build_app",
+        cmd = [serve_binary(), "run", "deployments.app:build_app",
                *app_args({k: v for k, v in head.items() if v is not None}), *app_args(engine or {})]
     return ServerSpec(name, cmd + list(extra), server_env(), OURS_PORT, told)
 
