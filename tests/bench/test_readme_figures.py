@@ -1,23 +1,17 @@
 """README's figures table against the benchmark JSON it is built from (scripts/readme_figures.py)."""
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
 
 import pytest
 
+from tests.bench.scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("readme_figures", ROOT / "scripts" / "readme_figures.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-rf = _load()
+rf = load_script("scripts/readme_figures.py")
 
 
 def _copy_used_json(tmp_path: Path) -> tuple[Path, list[str]]:

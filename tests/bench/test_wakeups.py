@@ -1,18 +1,14 @@
 """benchmarks/wakeups.py: the census counts a thread's wake-ups and CPU, named by process and thread."""
 
-import importlib.util
 import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.scripts import load_script
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("wakeups", ROOT / "benchmarks" / "wakeups.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/wakeups.py")
 
 
 def test_census_counts_a_thread_that_wakes_every_2_ms():
