@@ -170,12 +170,17 @@ def measure_engine(args, report: dict) -> None:
         probe_engine(args, report)
 
 
+def bare_serve_spec() -> servers.ServerSpec:
+    """``benchmarks/bare_serve.py``: Ray Serve and one trivial deployment, on ours's port."""
+    cmd = [servers.serve_binary(), "run", "benchmarks.bare_serve:app"]
+    return servers.ServerSpec("bare-serve", cmd, servers.server_env(), servers.OURS_PORT)
+
+
 def beside_spec(args) -> servers.ServerSpec:
-    """--beside: ``bare-serve`` (``benchmarks/bare_serve.py``: Ray Serve and one trivial deployment) or
-    ``app`` (our app on the same checkpoint and engine settings, as --start ours starts it), idle."""
+    """--beside: ``bare-serve`` (``bare_serve_spec``) or ``app`` (our app on the same checkpoint and engine
+    settings, as --start ours starts it), idle."""
     if args.beside == "bare-serve":
-        cmd = [servers.serve_binary(), "run", "benchmarks.bare_serve:app"]
-        return servers.ServerSpec("bare-serve", cmd, servers.server_env(), servers.OURS_PORT)
+        return bare_serve_spec()
     return start_spec(argparse.Namespace(**{**vars(args), "start": "ours"}))
 
 

@@ -127,7 +127,6 @@ def print_census(result: dict, top_threads: int, min_rate: float) -> None:
 def census_servers(names: list[str], server_flags: str, saturate: int, settle_s: float, seconds: float,
                    log_dir: Path) -> dict:
     """``{"<name>-idle": census, "<name>-saturated": census}`` for each server started in turn."""
-    import argparse
     import asyncio
     import math
     import shlex
@@ -141,7 +140,7 @@ def census_servers(names: list[str], server_flags: str, saturate: int, settle_s:
     runs = {}
     for name in names:
         if name == "bare-serve":
-            spec = peer_sweep.beside_spec(argparse.Namespace(beside="bare-serve"))
+            spec = peer_sweep.bare_serve_spec()
         else:
             spec = peer_sweep.start_spec(peer_sweep.parse_args(
                 ["--label", name, "--start", name, "--probe-only", *shlex.split(server_flags)]))
