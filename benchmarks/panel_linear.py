@@ -1,16 +1,18 @@
-"""Float32 panel linears against oneDNN's packed ones (issue 41): the layer linears alone and a whole
-decode step, at one and two threads, quiet and beside other processes' wake-ups.
+"""Panel linears against oneDNN's packed ones (issue 41): the layer linears alone and whole engine steps, at one
+and two threads, quiet and beside other processes' wake-ups, in float32 or bf16.
 
-    python benchmarks/panel_linear.py [--shape opt-125m] [--threads 1 2] \
+    python benchmarks/panel_linear.py [--shape opt-125m] [--threads 1 2] [--dtype float32|bfloat16] \
         [--json docs/benchmarks/engine_speed/panel_linear_avx2.json]
 
-On a CPU without AVX-512, float32 ``Linear`` layers keep their weight in panels of 16 channels for steps of
-at most ``PANEL_MAX_ROWS`` rows (``kernels/csrc/cpu_panel.cpp``). Two tables:
+float32 (a CPU without AVX-512): ``Linear`` layers keep their weight in panels of 16 channels for steps of at most
+``PANEL_MAX_ROWS`` rows (``kernels/csrc/cpu_panel.cpp``). bf16 (a CPU with AVX-512 and no AMX): panels of 64
+channels, for every step where ``bf16_panels_all_rows`` measured them no slower than oneDNN (then oneDNN's copy is
+not kept), else for the small ones. Two tables:
 
 - every linear layer of the model (its decoder layers' and the logits'), ``rows`` rows of x, through the
   panels and through oneDNN's packed weight: the kernel's choice alone;
-- the whole decision: ``ModelRunner.execute`` of a decode step (batch 1 and 4, 400 tokens of context) on
-  two engines over the same checkpoint, one built with panels and one without
+- the whole decision: ``ModelRunner.execute`` of decode steps (batch 1 and 4, 400 tokens of context) and, in bf16,
+  of a 512-token prefill chunk, on two engines over the same checkpoint, one built with panels and one without
   (``APT_SERVE_PANEL_LINEAR=0`` at load), alternated in rounds.
 
 Each is timed quiet and beside ``step_under_noise``'s noise (16 processes that each wake every 6 ms and
@@ -40,29 +42,42 @@ from apt_serve_ray.request import CacheKind  # noqa: E402
 from apt_serve_ray.worker import cpu_affinity  # noqa: E402
 
 
-def engine(path: str, panels: bool):
+def _clear_panel_caches() -> None:
+    for fn in (linear.panels_available, linear.bf16_panels_available, linear.bf16_panels_all_rows):
+        fn.cache_clear()
+
+
+def engine(path: str, panels: bool, dtype: str):
     os.environ["APT_SERVE_PANEL_LINEAR"] = "auto" if panels else "0"
-    linear.panels_available.cache_clear()
+    _clear_panel_caches()
     try:
-        llm = build(path, "fast", True, "float32", 256, "cpu")
+        llm = build(path, "fast", True, dtype, 256, "cpu")
     finally:
         os.environ.pop("APT_SERVE_PANEL_LINEAR", None)
-        linear.panels_available.cache_clear()
+        _clear_panel_caches()
     runner = llm.llm_engine.runner
     fill_pages(runner.storage, CacheKind.KV, 64)
     return llm, runner
 
 
-def time_layers(layers, rows: int, use_panels: bool, repeats: int) -> float:
-    xs = {k: torch.randn(rows, k) for k in {layer.panels.shape[1] for layer in layers}}  # one x per input width
+def in_features(layer) -> int:
+    return layer.panels.shape[1] * (2 if layer.panels.dim() == 4 else 1)  # bf16 panels hold inputs in pairs
+
+
+def time_layers(layers, oned, rows: int, use_panels: bool, repeats: int) -> float:
+    """``layers`` (with panels) through their panels, or the same weights through ``oned``'s oneDNN copies."""
+    dtype = layers[0].panels.dtype
+    xs = {k: torch.randn(rows, k).to(dtype) for k in {in_features(layer) for layer in layers}}  # one x per width
 
     def run():
-        for layer in layers:
-            x = xs[layer.panels.shape[1]]
-            if use_panels:
+        for layer, other in zip(layers, oned):
+            x = xs[in_features(layer)]
+            if use_panels and dtype == torch.bfloat16:
+                linear.panel_linear_bf16(x, layer.panels, layer.bias32, layer.out_features)
+            elif use_panels:
                 linear.panel_linear(x, layer.panels, layer.bias, layer.out_features)
             else:
-                torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
+                torch.ops.mkldnn._linear_pointwise(x, other.packed, other.bias, "none", [], "")
 
     run()
     times = []
@@ -97,23 +112,30 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="opt-125m")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--noise-procs", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--json", type=Path, default=None)
     add_cache_dir(ap)
     a = ap.parse_args(argv)
-    linear.panels_available.cache_clear()
-    if not linear.panels_available():
-        print("panel linears are not available here (AVX-512 present, or the kernels did not build):"
-              " set APT_SERVE_PANEL_LINEAR=1 to measure them anyway", file=sys.stderr)
+    _clear_panel_caches()
+    available = linear.bf16_panels_available() if a.dtype == "bfloat16" else linear.panels_available()
+    if not available:
+        print(f"{a.dtype} panel linears are not available here (float32: AVX-512 present; bf16: no AVX-512 or AMX"
+              " present; or the kernels did not build): set APT_SERVE_PANEL_LINEAR=1 to measure them anyway",
+              file=sys.stderr)
         return 2
     path = random_checkpoint(a.shape, a.cache_dir)
-    with_panels, runner_p = engine(path, True)
-    without, runner_o = engine(path, False)
-    layers = linear.model_linears(runner_p.model)
-    assert layers and all(layer.panels is not None and layer.packed is not None for layer in layers), "no panels"
+    with_panels, runner_p = engine(path, True, a.dtype)
+    without, runner_o = engine(path, False, a.dtype)
+    layers, oned = linear.model_linears(runner_p.model), linear.model_linears(runner_o.model)
+    assert layers and all(layer.panels is not None for layer in layers), "no panels"
+    assert [o.out_features for o in oned] == [layer.out_features for layer in layers], "the models differ"
+    assert all(o.packed is not None for o in oned), "no oneDNN copies"
     steps = {f"decode x{b} @ 400": [(400, 1)] * b for b in (1, 4)}
+    if a.dtype == "bfloat16":
+        steps["prefill 512 @ 0"] = [(512, 512)]
     cpus = cpu_affinity.available_cpus()
     rows_out = []
     for threads in a.threads:
@@ -121,8 +143,8 @@ def main(argv=None) -> int:
         cpu_affinity.bind_compute_threads(threads, True, cpus[:threads])
         others = set(cpus[threads:]) or set(cpus)
         for rows in a.rows:
-            res = rounds({"onednn": lambda: time_layers(layers, rows, False, a.repeats),
-                          "panels": lambda: time_layers(layers, rows, True, a.repeats)}, a, others)
+            res = rounds({"onednn": lambda: time_layers(layers, oned, rows, False, a.repeats),
+                          "panels": lambda: time_layers(layers, oned, rows, True, a.repeats)}, a, others)
             rows_out.append({"what": "layer linears", "threads": threads, "rows": rows, **{
                 f"{k}_{m}": v[m] for k, v in res.items() for m in ("quiet_ms", "noisy_ms")}, "detail": res})
         for label, shape in steps.items():
@@ -140,7 +162,7 @@ def main(argv=None) -> int:
                       f" ({r['panels_noisy_ms'] / r['onednn_noisy_ms']:.2f}x)", flush=True)
     if a.json:
         print("wrote", write_json(a.json, {"rows": rows_out, "args": {k: str(v) for k, v in vars(a).items()}},
-                                  stamp(threads=a.threads, dtype="float32", model=a.shape, simulated=False)))
+                                  stamp(threads=a.threads, dtype=a.dtype, model=a.shape, simulated=False)))
     return 0
 
 

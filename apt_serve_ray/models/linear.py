@@ -21,7 +21,18 @@ thread holds up two panels, not the call); a whole decode step of one request 0.
 The panels are a second copy of the weight (``weight_bytes`` counts both).
 ``APT_SERVE_PANEL_LINEAR=0`` turns them off, ``=1`` on where AVX-512 is present too.
 
-bf16 layers run steps of many rows (prefill chunks) as a float32 GEMM over the weight unpacked from
+bf16 layers on a CPU with AVX-512 and no AMX keep their weight in panels of 64 channels instead
+(``pack_panels_bf16``; the kernel widens each bf16 pair to float32 in registers and sums by FMAs). Measured on an
+Intel Xeon with AVX512-BF16 and no AMX (2026-12-07, ``benchmarks/panel_linear.py --dtype bfloat16 --shape
+opt-350m``, JSON ``docs/benchmarks/engine_speed/panel_linear_bf16_xeon_opt350m.json``): OPT-350m's linears took
+0.65-0.75x oneDNN's time at 1-64 rows, one thread and two, quiet and beside noise; a whole decode step of one
+request 0.83x / 0.80x at one thread (quiet / beside noise) and 0.67x / 0.62x at two; a 512-token prefill step
+0.88x / 1.05x and 0.79x / 0.90x (against the float32 ``wide`` path below). Where they measure no slower than
+oneDNN at 64 and 512 rows (``bf16_panels_all_rows``, once per process and thread count) they take every step and
+oneDNN's copy is not kept; elsewhere they take steps of at most ``PANEL_MAX_ROWS`` rows and oneDNN the rest (two
+copies). With AMX, oneDNN's tile kernels keep every step (not measured here: no AMX CPU was lent).
+
+Where bf16 panels are off, bf16 layers run steps of many rows (prefill chunks) as a float32 GEMM over the weight unpacked from
 oneDNN's layout on the fly, where that is faster on this CPU (``wide_rows``, measured once per process
 and thread count when the first bf16 layer is built). AVX512-BF16 without AMX (an Intel Xeon under KVM
 with AMX hidden, 2026-12-07) computes bf16 dot products no faster than float32 FMAs: oneDNN's bf16 GEMM
@@ -152,17 +163,94 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | Non
     return torch.ops.apt_serve.panel_linear(x, panels, bias, n)
 
 
+@functools.cache
+def bf16_panels_available() -> bool:
+    """Whether bf16 layers keep their weight in panels of 64 channels (``cpu_panel.cpp``): our kernel built with
+    AVX-512, the CPU without AMX (whose tiles oneDNN uses; not measured here), unless ``APT_SERVE_PANEL_LINEAR=1``;
+    ``=0`` turns them off."""
+    setting = os.environ.get("APT_SERVE_PANEL_LINEAR", "auto")
+    if setting == "0":
+        return False
+    from apt_serve_ray.worker.cpu_info import cpuinfo_field
+
+    if setting != "1" and "amx_bf16" in (cpuinfo_field("flags") or "").split():
+        return False
+    try:
+        from apt_serve_ray.kernels import cpu_attention
+
+        cpu_attention.load()
+        return bool(torch.ops.apt_serve.panel_bf16_native())
+    except RuntimeError as exc:
+        logger.info("bf16 panel linears unavailable (%s)", exc)
+        return False
+
+
+def pack_panels_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """bf16 [N, K] (K even) -> [N / 64, K / 2, 64, 2], N padded to 64 with zero channels: for each pair of inputs,
+    a panel's 64 channels side by side, read front to back by ``cpu_panel.cpp``."""
+    n, k = weight.shape
+    npad = -(-n // 64) * 64
+    padded = torch.zeros(npad, k, dtype=weight.dtype)
+    padded[:n] = weight
+    return padded.view(npad // 64, 64, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def panel_linear_bf16(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """``x W^T + b`` from the weight's bf16 panels (``pack_panels_bf16``), float32 bias: bf16 x of any rows."""
+    return torch.ops.apt_serve.panel_linear_bf16(x, panels, bias, n)
+
+
+PANEL_WIDE_ROWS = (64, 512)  # the row counts ``measure_bf16_panels`` tries beyond a decode step's
+
+
+def measure_bf16_panels() -> dict[int, float]:
+    """At the current compute threads: bf16 panels' time over oneDNN's packed bf16 GEMM on a 3,072 x 768 layer at
+    each of ``PANEL_WIDE_ROWS`` rows (~0.1-0.3 s)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(3072, 768, generator=g).to(torch.bfloat16)
+    packed, panels = torch.ops.mkldnn._reorder_linear_weight(w), pack_panels_bf16(w)
+    ratios = {}
+    for rows in PANEL_WIDE_ROWS:
+        x = torch.randn(rows, 768, generator=g).to(torch.bfloat16)
+        onednn = fastest(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
+        ratios[rows] = round(fastest(lambda: panel_linear_bf16(x, panels, None, 3072)) / onednn, 3)
+    return ratios
+
+
+@functools.cache
+def bf16_panels_all_rows(threads: int) -> bool:
+    """Whether bf16 panels take steps of every size, so that oneDNN's copy of the weight is not kept: they measure
+    no slower than oneDNN at each of ``PANEL_WIDE_ROWS`` rows at ``threads`` threads (once per process), or
+    oneDNN's packing is unavailable. ``APT_SERVE_PANEL_ALL_ROWS=1`` / ``=0``: yes / no unmeasured."""
+    setting = os.environ.get("APT_SERVE_PANEL_ALL_ROWS", "auto")
+    if setting != "auto":
+        return setting == "1"
+    if not packing_available(torch.bfloat16):
+        return True
+    ratios = measure_bf16_panels()
+    verdict = all(r <= 1.0 for r in ratios.values())
+    logger.info("bf16 linears, %d thread(s): panels %s (their time over oneDNN's at %s rows)", threads,
+                "for every step" if verdict else f"for steps of at most {PANEL_MAX_ROWS} rows", ratios)
+    return verdict
+
+
 class Linear:
     """``y = x W^T + b``. ``keep_weight``: keep the plain weight too (for callers that slice it)."""
 
-    __slots__ = ("weight", "bias", "packed", "panels", "out_features", "wide")
+    __slots__ = ("weight", "bias", "bias32", "packed", "panels", "all_rows", "out_features", "wide")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, keep_weight: bool = False) -> None:
         self.bias = bias
-        self.packed = self.panels = None
-        self.wide = False
+        self.packed = self.panels = self.bias32 = None
+        self.wide = self.all_rows = False
         self.out_features = weight.shape[0]
-        if weight.device.type == "cpu" and packing_available(weight.dtype):
+        if (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
+                and weight.shape[1] % 2 == 0 and bf16_panels_available()):
+            self.panels = pack_panels_bf16(weight)
+            self.bias32 = None if bias is None else bias.float().contiguous()
+            # measured now, at the threads the model is built with (the engine sets them first)
+            self.all_rows = bf16_panels_all_rows(torch.get_num_threads())
+        if weight.device.type == "cpu" and not self.all_rows and packing_available(weight.dtype):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
             # measured now, at the threads the model is built with (the engine sets them first)
             self.wide = weight.dtype == torch.bfloat16 and wide_rows(torch.get_num_threads()) is not None
@@ -171,12 +259,15 @@ class Linear:
             self.panels = pack_panels(weight)
             if bias is not None:
                 self.bias = bias.contiguous()
-        self.weight = weight if keep_weight or self.packed is None else None
+        self.weight = weight if keep_weight or (self.packed is None and not self.all_rows) else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.panels is not None and x.dim() == 2 and x.shape[0] <= PANEL_MAX_ROWS
-                and x.dtype == torch.float32 and not x.requires_grad):
-            return panel_linear(x, self.panels, self.bias, self.out_features)
+        if self.panels is not None and x.dim() == 2 and not x.requires_grad:
+            if self.panels.dtype == torch.bfloat16:
+                if self.all_rows or (x.shape[0] <= PANEL_MAX_ROWS and x.dtype == torch.bfloat16):
+                    return panel_linear_bf16(x.to(torch.bfloat16), self.panels, self.bias32, self.out_features)
+            elif x.shape[0] <= PANEL_MAX_ROWS and x.dtype == torch.float32:
+                return panel_linear(x, self.panels, self.bias, self.out_features)
         if (self.wide and x.dim() == 2 and x.shape[0] >= WIDE_ROWS[0] and x.dtype == torch.bfloat16
                 and not x.requires_grad):
             wide = wide_rows(torch.get_num_threads())  # the threads now (a benchmark may change them)
@@ -185,7 +276,7 @@ class Linear:
                 return F.linear(x.float(), self.packed.to_dense(torch.float32), bias).to(torch.bfloat16)
         if self.packed is not None and x.dim() == 2:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
-        if self.weight is None:  # packed only, and an input of another rank: flatten to rows
+        if self.weight is None:  # packed or panels only, and an input of another rank: flatten to rows
             return self(x.reshape(-1, x.shape[-1])).unflatten(0, x.shape[:-1])
         return F.linear(x, self.weight, self.bias)
 
@@ -227,6 +318,7 @@ def weight_bytes(layer) -> int:
     nbytes = getattr(layer, "nbytes", None)
     if nbytes is not None:
         return nbytes
-    w = layer.packed if getattr(layer, "packed", None) is not None else layer.weight
-    panels = getattr(layer, "panels", None)
-    return w.numel() * w.element_size() + (panels.numel() * panels.element_size() if panels is not None else 0)
+    copies = [getattr(layer, "packed", None), getattr(layer, "panels", None)]
+    if copies[0] is None:
+        copies[0] = layer.weight
+    return sum(w.numel() * w.element_size() for w in copies if w is not None)

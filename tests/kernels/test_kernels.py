@@ -45,11 +45,14 @@ def test_engine_with_forced_kernel_matches_torch_path(checkpoint, shape):
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
-def test_packed_linear_matches_f_linear_bit_for_bit_in_bf16_and_to_rounding_in_float32():
+def test_packed_linear_matches_f_linear_bit_for_bit_in_bf16_and_to_rounding_in_float32(monkeypatch):
     import torch.nn.functional as F
 
+    from apt_serve_ray.models import linear
     from apt_serve_ray.models.linear import Linear, packing_available
 
+    monkeypatch.setattr(linear, "bf16_panels_available", lambda: False)  # oneDNN's path (panels: test_cpu_panel.py)
+    monkeypatch.setattr(linear, "panels_available", lambda: False)
     if not packing_available(torch.bfloat16):
         pytest.skip("oneDNN packed linear unavailable on this CPU (the engine then uses F.linear)")
     g = torch.Generator().manual_seed(0)
@@ -83,6 +86,7 @@ def test_wide_bf16_linear_is_the_float32_product_rounded_once_and_only_from_its_
 
     if not linear.packing_available(torch.bfloat16):
         pytest.skip("oneDNN packed linear unavailable on this CPU (the engine then uses F.linear)")
+    monkeypatch.setattr(linear, "bf16_panels_available", lambda: False)  # oneDNN's path (panels: test_cpu_panel.py)
     monkeypatch.setattr(linear, "wide_rows", lambda threads: 200)  # as if measured: float32 from 200 rows
     g = torch.Generator().manual_seed(1)
     w = torch.randn(96, 64, generator=g).to(torch.bfloat16)
