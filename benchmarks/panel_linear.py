@@ -11,8 +11,8 @@ not kept), else for the small ones. Two tables:
 
 - every linear layer of the model (its decoder layers' and the logits'), ``rows`` rows of x, through the
   panels and through oneDNN's packed weight: the kernel's choice alone;
-- the whole decision: ``ModelRunner.execute`` of decode steps (batch 1 and 4, 400 tokens of context) and, in bf16,
-  of a 512-token prefill chunk, on two engines over the same checkpoint, one built with panels and one without
+- the whole decision: ``ModelRunner.execute`` of decode steps (batch 1 and 4, 400 tokens of context) and of a
+  512-token prefill chunk, on two engines over the same checkpoint, one built with panels and one without
   (``APT_SERVE_PANEL_LINEAR=0`` at load), alternated in rounds.
 
 Each is timed quiet and beside ``step_under_noise``'s noise (16 processes that each wake every 6 ms and
@@ -43,12 +43,12 @@ from apt_serve_ray.worker import cpu_affinity  # noqa: E402
 
 
 def _clear_panel_caches() -> None:
-    for fn in (linear.panels_available, linear.bf16_panels_available, linear.bf16_panels_all_rows):
+    for fn in (linear.panels_available, linear.bf16_panels_available, linear.panels_all_rows):
         fn.cache_clear()
 
 
 def engine(path: str, panels: bool, dtype: str):
-    os.environ["APT_SERVE_PANEL_LINEAR"] = "auto" if panels else "0"
+    os.environ["APT_SERVE_PANEL_LINEAR"] = "1" if panels else "0"  # on where the kernels build, or off
     _clear_panel_caches()
     try:
         llm = build(path, "fast", True, dtype, 256, "cpu")
@@ -72,10 +72,8 @@ def time_layers(layers, oned, rows: int, use_panels: bool, repeats: int) -> floa
     def run():
         for layer, other in zip(layers, oned):
             x = xs[in_features(layer)]
-            if use_panels and dtype == torch.bfloat16:
-                linear.panel_linear_bf16(x, layer.panels, layer.bias32, layer.out_features)
-            elif use_panels:
-                linear.panel_linear(x, layer.panels, layer.bias, layer.out_features)
+            if use_panels:
+                linear.panel_call(x, layer.panels, layer.bias32, layer.out_features)
             else:
                 torch.ops.mkldnn._linear_pointwise(x, other.packed, other.bias, "none", [], "")
 
@@ -134,8 +132,7 @@ def main(argv=None) -> int:
     assert [o.out_features for o in oned] == [layer.out_features for layer in layers], "the models differ"
     assert all(o.packed is not None for o in oned), "no oneDNN copies"
     steps = {f"decode x{b} @ 400": [(400, 1)] * b for b in (1, 4)}
-    if a.dtype == "bfloat16":
-        steps["prefill 512 @ 0"] = [(512, 512)]
+    steps["prefill 512 @ 0"] = [(512, 512)]
     cpus = cpu_affinity.available_cpus()
     rows_out = []
     for threads in a.threads:

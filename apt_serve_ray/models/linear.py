@@ -8,29 +8,33 @@ twice as fast. Measured on this project's AVX-512 CPU, one thread, all linear la
 ``F.linear`` reaches ~100 GFLOP/s there, oneDNN ~220). In bf16 the results are bit-identical to
 ``F.linear``; in float32 oneDNN sums in another order (differences ~1e-4 relative to the output,
 well inside the 1e-3 the reference tests allow). ``APT_SERVE_PACKED_LINEAR=0`` turns packing off
-(for A/B measurements). (A hand-written AVX-512 GEMV for decode-sized batches was tried and lost to
-the packed layout in both dtypes.)
+(for A/B measurements). (A hand-written AVX-512 GEMV for decode-sized batches was tried on an AMD Zen 5 and
+lost to the packed layout in both dtypes; the panels below, which prefetch into L2, win on an Intel Xeon.)
 
-On CPUs with AVX2 but not AVX-512, float32 layers also keep their weight in panels of 16 output channels
-for steps of at most ``PANEL_MAX_ROWS`` rows (``kernels/csrc/cpu_panel.cpp``; issue 41). Measured on an
-AVX2 EPYC (``benchmarks/panel_linear.py``, JSON ``docs/benchmarks/engine_speed/panel_linear_avx2.json``),
-OPT-125m's linears at 1-6 rows take 0.83-1.04x oneDNN's time at one thread and 0.84-0.91x at two, 0.69-0.81x
-beside the idle Serve app's wake-ups at two (the panels are shared out from a counter, so a preempted
-thread holds up two panels, not the call); a whole decode step of one request 0.74x (one thread) and
-0.82x (two) quiet. Eight rows (two passes over the weight) take 1.07-1.11x, sixteen 1.4x: oneDNN keeps those.
-The panels are a second copy of the weight (``weight_bytes`` counts both).
-``APT_SERVE_PANEL_LINEAR=0`` turns them off, ``=1`` on where AVX-512 is present too.
+Panels (``kernels/csrc/cpu_panel.cpp``, issue 41): a second layout of the weight, in panels of W output channels
+read front to back (``pack_panels``, ``pack_panels_bf16``), for the few rows of a decode step, which are bound by
+reading the weight. ``APT_SERVE_PANEL_LINEAR=0`` turns them off.
 
-bf16 layers on a CPU with AVX-512 and no AMX keep their weight in panels of 64 channels instead
-(``pack_panels_bf16``; the kernel widens each bf16 pair to float32 in registers and sums by FMAs). Measured on an
-Intel Xeon with AVX512-BF16 and no AMX (2026-12-07, ``benchmarks/panel_linear.py --dtype bfloat16 --shape
-opt-350m``, JSON ``docs/benchmarks/engine_speed/panel_linear_bf16_xeon_opt350m.json``): OPT-350m's linears took
-0.65-0.75x oneDNN's time at 1-64 rows, one thread and two, quiet and beside noise; a whole decode step of one
-request 0.83x / 0.80x at one thread (quiet / beside noise) and 0.67x / 0.62x at two; a 512-token prefill step
-0.88x / 1.05x and 0.79x / 0.90x (against the float32 ``wide`` path below). Where they measure no slower than
-oneDNN at 64 and 512 rows (``bf16_panels_all_rows``, once per process and thread count) they take every step and
-oneDNN's copy is not kept; elsewhere they take steps of at most ``PANEL_MAX_ROWS`` rows and oneDNN the rest (two
-copies). With AMX, oneDNN's tile kernels keep every step (not measured here: no AMX CPU was lent).
+- float32 on CPUs with AVX2 and not AVX-512: W = 16, for steps of at most ``PANEL_MAX_ROWS`` rows. Measured on an
+  AVX2 EPYC (``benchmarks/panel_linear.py``, JSON ``docs/benchmarks/engine_speed/panel_linear_avx2.json``),
+  OPT-125m's linears at 1-6 rows take 0.83-1.04x oneDNN's time at one thread and 0.84-0.91x at two, 0.69-0.81x
+  beside the idle Serve app's wake-ups at two (the panels are shared out from a counter, so a preempted thread holds
+  up two panels, not the call); a whole decode step of one request 0.74x (one thread) and 0.82x (two) quiet. Eight
+  rows (two passes over the weight) take 1.07-1.11x, sixteen 1.4x: oneDNN keeps those, and its copy is kept too.
+- float32 and bf16 on CPUs with AVX-512: W = 64, prefetched 4 KB ahead into L2, bf16 widened to float32 in
+  registers and summed by FMAs (bf16 only where the CPU lacks AMX, whose tiles oneDNN uses; not measured here).
+  Measured on an Intel Xeon with AVX512-BF16 and no AMX (2026-12-07, ``benchmarks/panel_linear.py --shape opt-350m
+  --dtype bfloat16|float32``, JSON ``docs/benchmarks/engine_speed/panel_linear_*_xeon_opt350m.json``): bf16,
+  OPT-350m's linears 0.65-0.75x oneDNN's time at 1-64 rows, one thread and two, quiet and beside noise; a decode
+  step of one request 0.83x / 0.80x at one thread (quiet / beside noise) and 0.67x / 0.62x at two; a 512-token
+  prefill step 0.88x / 1.05x and 0.79x / 0.90x (against the float32 ``wide`` path below). float32: the linears
+  0.75-0.94x at 1-16 rows; a decode step of one request 0.89x / 0.93x at one thread, 0.86x / 0.75x at two.
+  Where panels measure faster than oneDNN by ``PANEL_ALL_ROWS_GAIN`` at 64 and 512 rows (``panels_all_rows``, once
+  per process, dtype and thread count; bf16 on that Xeon: 0.66-0.76x) they take every step and oneDNN's copy is not
+  kept; elsewhere (float32 on that Xeon: 0.89-1.14x) they take steps of at most ``PANEL_MAX_ROWS`` rows and oneDNN
+  the rest, from its own copy. ``APT_SERVE_PANEL_ALL_ROWS=0`` / ``=1`` decides that unmeasured.
+
+``weight_bytes`` counts every copy kept.
 
 Where bf16 panels are off, bf16 layers run steps of many rows (prefill chunks) as a float32 GEMM over the weight unpacked from
 oneDNN's layout on the fly, where that is faster on this CPU (``wide_rows``, measured once per process
@@ -123,66 +127,60 @@ def wide_rows(threads: int) -> int | None:
     return found
 
 
-PANEL_MAX_ROWS = 6  # rows a step sends to the panels (one pass over the weight); more go to oneDNN
+PANEL_MAX_ROWS = 6  # rows a step sends to the panels (one pass over the weight) where oneDNN's copy is kept
+
+
+def _kernels_say(op: str) -> bool:
+    try:
+        from apt_serve_ray.kernels import cpu_attention
+
+        cpu_attention.load()
+        return bool(getattr(torch.ops.apt_serve, op)())
+    except RuntimeError as exc:
+        logger.info("panel linears unavailable (%s)", exc)
+        return False
+
+
+def _has_flag(flag: str) -> bool:
+    from apt_serve_ray.worker.cpu_info import cpuinfo_field
+
+    return flag in (cpuinfo_field("flags") or "").split()
 
 
 @functools.cache
 def panels_available() -> bool:
-    """Whether float32 layers keep panels for small steps: our kernel built with AVX2 and FMA, and the CPU
-    without AVX-512 (where oneDNN's packed layout won when measured) unless ``APT_SERVE_PANEL_LINEAR=1``;
-    ``=0`` turns them off."""
-    setting = os.environ.get("APT_SERVE_PANEL_LINEAR", "auto")
-    if setting == "0":
+    """Whether float32 layers keep panels: our kernel built with AVX-512 (64-channel panels) or with AVX2 and FMA
+    (16-channel), unless ``APT_SERVE_PANEL_LINEAR=0``."""
+    if os.environ.get("APT_SERVE_PANEL_LINEAR", "auto") == "0":
         return False
-    from apt_serve_ray.worker.cpu_info import cpuinfo_field
-
-    if setting != "1" and "avx512f" in (cpuinfo_field("flags") or "").split():
-        return False
-    try:
-        from apt_serve_ray.kernels import cpu_attention
-
-        cpu_attention.load()
-        return bool(torch.ops.apt_serve.panel_native())
-    except RuntimeError as exc:
-        logger.info("float32 panel linears unavailable (%s)", exc)
-        return False
-
-
-def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """float32 [N, K] -> [N / 16, K, 16], N padded to 16 with zero channels: each panel's 16 channels
-    side by side for every input, read front to back by ``cpu_panel.cpp``."""
-    n, k = weight.shape
-    npad = -(-n // 16) * 16
-    padded = torch.zeros(npad, k, dtype=weight.dtype)
-    padded[:n] = weight
-    return padded.view(npad // 16, 16, k).transpose(1, 2).contiguous()
-
-
-def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
-    """``x W^T + b`` from the weight's panels (``pack_panels``): float32 x of at most a few rows."""
-    return torch.ops.apt_serve.panel_linear(x, panels, bias, n)
+    return _kernels_say("panel_native")
 
 
 @functools.cache
 def bf16_panels_available() -> bool:
-    """Whether bf16 layers keep their weight in panels of 64 channels (``cpu_panel.cpp``): our kernel built with
-    AVX-512, the CPU without AMX (whose tiles oneDNN uses; not measured here), unless ``APT_SERVE_PANEL_LINEAR=1``;
-    ``=0`` turns them off."""
+    """Whether bf16 layers keep panels (64 channels of input pairs): our kernel built with AVX-512, the CPU without
+    AMX (whose tiles oneDNN uses; not measured here), unless ``APT_SERVE_PANEL_LINEAR=1``; ``=0`` turns them off."""
     setting = os.environ.get("APT_SERVE_PANEL_LINEAR", "auto")
-    if setting == "0":
+    if setting == "0" or (setting != "1" and _has_flag("amx_bf16")):
         return False
-    from apt_serve_ray.worker.cpu_info import cpuinfo_field
+    return _kernels_say("panel_wide_native")
 
-    if setting != "1" and "amx_bf16" in (cpuinfo_field("flags") or "").split():
-        return False
-    try:
-        from apt_serve_ray.kernels import cpu_attention
 
-        cpu_attention.load()
-        return bool(torch.ops.apt_serve.panel_bf16_native())
-    except RuntimeError as exc:
-        logger.info("bf16 panel linears unavailable (%s)", exc)
-        return False
+@functools.cache
+def panel_width() -> int:
+    """Channels in a float32 panel: 64 where the kernels are built with AVX-512, 16 (AVX2) elsewhere."""
+    return 64 if _kernels_say("panel_wide_native") else 16
+
+
+def pack_panels(weight: torch.Tensor, width: int | None = None) -> torch.Tensor:
+    """float32 [N, K] -> [N / W, K, W], N padded to W with zero channels: each panel's W channels side by side for
+    every input, read front to back by ``cpu_panel.cpp``. W: ``panel_width()`` unless given."""
+    width = width or panel_width()
+    n, k = weight.shape
+    npad = -(-n // width) * width
+    padded = torch.zeros(npad, k, dtype=weight.dtype)
+    padded[:n] = weight
+    return padded.view(npad // width, width, k).transpose(1, 2).contiguous()
 
 
 def pack_panels_bf16(weight: torch.Tensor) -> torch.Tensor:
@@ -195,41 +193,63 @@ def pack_panels_bf16(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(npad // 64, 64, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """``x W^T + b`` from the weight's float32 panels (``pack_panels``)."""
+    return torch.ops.apt_serve.panel_linear(x, panels, bias, n)
+
+
 def panel_linear_bf16(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
     """``x W^T + b`` from the weight's bf16 panels (``pack_panels_bf16``), float32 bias: bf16 x of any rows."""
     return torch.ops.apt_serve.panel_linear_bf16(x, panels, bias, n)
 
 
-PANEL_WIDE_ROWS = (64, 512)  # the row counts ``measure_bf16_panels`` tries beyond a decode step's
+def pack_for(weight: torch.Tensor) -> torch.Tensor:
+    """``weight``'s panels in its dtype's layout."""
+    return pack_panels_bf16(weight) if weight.dtype == torch.bfloat16 else pack_panels(weight)
 
 
-def measure_bf16_panels() -> dict[int, float]:
-    """At the current compute threads: bf16 panels' time over oneDNN's packed bf16 GEMM on a 3,072 x 768 layer at
-    each of ``PANEL_WIDE_ROWS`` rows (~0.1-0.3 s)."""
+def panel_call(x: torch.Tensor, panels: torch.Tensor, bias32: torch.Tensor | None, n: int) -> torch.Tensor:
+    """``x W^T + b`` through ``panels`` of either dtype (x in the panels' dtype, bias float32)."""
+    if panels.dtype == torch.bfloat16:
+        return panel_linear_bf16(x, panels, bias32, n)
+    return panel_linear(x, panels, bias32, n)
+
+
+PANEL_WIDE_ROWS = (64, 512)  # the row counts ``measure_panels`` tries beyond a decode step's
+PANEL_ALL_ROWS_GAIN = 0.95  # panels' time over oneDNN's under which they take every step (a clear win only: the
+# choice sets the weights' memory, one copy or two, and should not flip between starts on noise)
+
+
+def measure_panels(dtype: torch.dtype) -> dict[int, float]:
+    """At the current compute threads: 64-channel panels' time over oneDNN's packed GEMM in ``dtype`` on a
+    3,072 x 768 layer at each of ``PANEL_WIDE_ROWS`` rows (~0.1-0.3 s)."""
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(3072, 768, generator=g).to(torch.bfloat16)
-    packed, panels = torch.ops.mkldnn._reorder_linear_weight(w), pack_panels_bf16(w)
+    w = torch.randn(3072, 768, generator=g).to(dtype)
+    packed, panels = torch.ops.mkldnn._reorder_linear_weight(w), pack_for(w)
     ratios = {}
     for rows in PANEL_WIDE_ROWS:
-        x = torch.randn(rows, 768, generator=g).to(torch.bfloat16)
+        x = torch.randn(rows, 768, generator=g).to(dtype)
         onednn = fastest(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
-        ratios[rows] = round(fastest(lambda: panel_linear_bf16(x, panels, None, 3072)) / onednn, 3)
+        ratios[rows] = round(fastest(lambda: panel_call(x, panels, None, 3072)) / onednn, 3)
     return ratios
 
 
 @functools.cache
-def bf16_panels_all_rows(threads: int) -> bool:
-    """Whether bf16 panels take steps of every size, so that oneDNN's copy of the weight is not kept: they measure
-    no slower than oneDNN at each of ``PANEL_WIDE_ROWS`` rows at ``threads`` threads (once per process), or
-    oneDNN's packing is unavailable. ``APT_SERVE_PANEL_ALL_ROWS=1`` / ``=0``: yes / no unmeasured."""
+def panels_all_rows(dtype: torch.dtype, threads: int) -> bool:
+    """Whether ``dtype``'s panels take steps of every size, so that oneDNN's copy of the weight is not kept: they are
+    64 channels wide (AVX-512) and measure faster than oneDNN by ``PANEL_ALL_ROWS_GAIN`` at each of ``PANEL_WIDE_ROWS``
+    rows at ``threads`` threads (once per process), or oneDNN's packing is unavailable. ``APT_SERVE_PANEL_ALL_ROWS=1`` / ``=0``: yes / no
+    unmeasured."""
+    if dtype == torch.float32 and panel_width() != 64:
+        return False  # AVX2's 16-channel panels: one pass of rows only (docstring)
     setting = os.environ.get("APT_SERVE_PANEL_ALL_ROWS", "auto")
     if setting != "auto":
         return setting == "1"
-    if not packing_available(torch.bfloat16):
+    if not packing_available(dtype):
         return True
-    ratios = measure_bf16_panels()
-    verdict = all(r <= 1.0 for r in ratios.values())
-    logger.info("bf16 linears, %d thread(s): panels %s (their time over oneDNN's at %s rows)", threads,
+    ratios = measure_panels(dtype)
+    verdict = all(r <= PANEL_ALL_ROWS_GAIN for r in ratios.values())
+    logger.info("%s linears, %d thread(s): panels %s (their time over oneDNN's at %s rows)", dtype, threads,
                 "for every step" if verdict else f"for steps of at most {PANEL_MAX_ROWS} rows", ratios)
     return verdict
 
@@ -244,30 +264,23 @@ class Linear:
         self.packed = self.panels = self.bias32 = None
         self.wide = self.all_rows = False
         self.out_features = weight.shape[0]
-        if (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
-                and weight.shape[1] % 2 == 0 and bf16_panels_available()):
-            self.panels = pack_panels_bf16(weight)
+        cpu2d = weight.device.type == "cpu" and weight.dim() == 2
+        if cpu2d and ((weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and bf16_panels_available())
+                      or (weight.dtype == torch.float32 and panels_available())):
+            self.panels = pack_for(weight)
             self.bias32 = None if bias is None else bias.float().contiguous()
             # measured now, at the threads the model is built with (the engine sets them first)
-            self.all_rows = bf16_panels_all_rows(torch.get_num_threads())
+            self.all_rows = panels_all_rows(weight.dtype, torch.get_num_threads())
         if weight.device.type == "cpu" and not self.all_rows and packing_available(weight.dtype):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
             # measured now, at the threads the model is built with (the engine sets them first)
             self.wide = weight.dtype == torch.bfloat16 and wide_rows(torch.get_num_threads()) is not None
-        if (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
-                and (bias is None or bias.dtype == torch.float32) and panels_available()):
-            self.panels = pack_panels(weight)
-            if bias is not None:
-                self.bias = bias.contiguous()
         self.weight = weight if keep_weight or (self.packed is None and not self.all_rows) else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.panels is not None and x.dim() == 2 and not x.requires_grad:
-            if self.panels.dtype == torch.bfloat16:
-                if self.all_rows or (x.shape[0] <= PANEL_MAX_ROWS and x.dtype == torch.bfloat16):
-                    return panel_linear_bf16(x.to(torch.bfloat16), self.panels, self.bias32, self.out_features)
-            elif x.shape[0] <= PANEL_MAX_ROWS and x.dtype == torch.float32:
-                return panel_linear(x, self.panels, self.bias, self.out_features)
+        if (self.panels is not None and x.dim() == 2 and not x.requires_grad
+                and (self.all_rows or (x.shape[0] <= PANEL_MAX_ROWS and x.dtype == self.panels.dtype))):
+            return panel_call(x.to(self.panels.dtype), self.panels, self.bias32, self.out_features)
         if (self.wide and x.dim() == 2 and x.shape[0] >= WIDE_ROWS[0] and x.dtype == torch.bfloat16
                 and not x.requires_grad):
             wide = wide_rows(torch.get_num_threads())  # the threads now (a benchmark may change them)
