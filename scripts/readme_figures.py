@@ -366,6 +366,49 @@ def engine_speed_bf16(b: Bench) -> Row:
                "`*-bf16-1t`, `ours-bf16-2t-bound-*`)")
 
 
+def panels_xeon(b: Bench) -> Row:
+    """Panel linears on AVX-512 (bf16 and float32) on the Xeon: the step A/B and the probes against vLLM (ninth pass)."""
+    rb, rf = "engine_speed/panel_linear_bf16_xeon_opt350m.json", "engine_speed/panel_linear_fp32_xeon_opt350m.json"
+    r125, r350 = "engine_speed/probe_xeon_panels.json", "engine_speed/probe_xeon_opt350m_panels.json"
+    p125, p350 = b(r125)["servers"], b(r350)["servers"]
+
+    def step(rel: str, what: str, t: int) -> str:
+        r = next(r for r in b(rel)["rows"] if r["what"] == what and r["threads"] == t)
+        return f"{ratio(r['panels_quiet_ms'], r['onednn_quiet_ms'])} / {ratio(r['panels_noisy_ms'], r['onednn_noisy_ms'])}"
+
+    def layers(rel: str) -> str:
+        return span([r["panels_quiet_ms"] / r["onednn_quiet_ms"] for r in b(rel)["rows"]
+                     if r["what"] == "layer linears"]) + "x"
+
+    def vs(runs: dict, cell: str) -> list[str]:
+        return against(runs[f"ours-{cell}"]["probe"], runs[f"vllm-{cell}"]["probe"])
+
+    def cells(runs: dict, names: list[str]) -> str:
+        return "; ".join(f"{c.replace('-', ' ')} **{' / '.join(vs(runs, c))}**" for c in names)
+
+    c125 = [c for c in ("bf16-1t", "bf16-2t", "fp32-1t", "fp32-2t") if f"ours-{c}" in p125 and f"vllm-{c}" in p125]
+    figure = (f"a decode step of one request (OPT-350m shape), panels over oneDNN's time, quiet / beside noise: bf16 one "
+              f"thread {step(rb, 'decode x1 @ 400', 1)}, two {step(rb, 'decode x1 @ 400', 2)}; fp32 one "
+              f"{step(rf, 'decode x1 @ 400', 1)}, two {step(rf, 'decode x1 @ 400', 2)} (the linears alone at 1-64 rows: "
+              f"bf16 {layers(rb)}, fp32 {layers(rf)}; bf16's panels take every step and oneDNN's copy is dropped, a "
+              f"512-token prefill step {step(rb, 'prefill 512 @ 0', 1)} at one thread, {step(rb, 'prefill 512 @ 0', 2)} "
+              f"at two). Through Serve against vLLM, TTFT / TPOT / saturated: OPT-350m shape "
+              f"{cells(p350, ['bf16-1t', 'bf16-2t'])}; OPT-125m shape {cells(p125, c125)}.")
+    lose = [f"{c.replace('-', ' ')} {['TTFT', 'TPOT', 'saturated'][i]} {v}" for runs, cs in ((p350, ['bf16-1t', 'bf16-2t']), (p125, c125))
+            for c in cs for i, v in enumerate(vs(runs, c)) if (float(v[:-1]) > 1.0) != (i == 2) and float(v[:-1]) != 1.0]
+    lose_text = ("; ".join(lose) + " (one window each: a run's noise on these cores is ~10%, docs)") if lose else \
+        "nowhere in these cells, one window each (a run's noise on these cores is ~10%, docs)"
+    used = [*p125.values(), *p350.values()]
+    on = measured_on(machine(b(r125)["machine"], "(no AMX, 2.3 GHz)"), "real engines", docs("random weights"),
+                     "bf16 and fp32 (the labels)", "1 and 2 threads (the labels)", days(v["date"] for v in used))
+    return Row("panel linears on AVX-512 (64 output channels a panel, bf16 widened in registers) on a CPU with "
+               "AVX512-BF16 and no AMX, and engine speed with them against vLLM CPU 0.32 with its defaults, same "
+               "pages, budget and threads", figure, lose_text, on,
+               "`benchmarks/panel_linear.py --shape opt-350m --dtype bfloat16` (and `float32`); `peer_sweep.py --start "
+               "ours` (and `vllm`) `--probe-only --dtype bfloat16` (and `float32`) `--threads 1` (and 2) (OPT-350m: "
+               f"`--shape opt-350m --probe-single 4 --probe-saturated 16 --timeout 900`) (issue 41; {jpath(rb, rf, r125, r350)})")
+
+
 def serve_floor_xeon(b: Bench) -> Row:
     """Two threads on two cores: the engine beside an idle bare Ray Serve app, ours through Serve, vLLM (eighth pass)."""
     rel, relw = "engine_speed/serve_floor_xeon.json", "engine_speed/wakeups_xeon.json"
@@ -391,7 +434,8 @@ def serve_floor_xeon(b: Bench) -> Row:
             f"beside an idle bare Ray Serve app (one trivial deployment; nothing sent to it): {floor}: any Ray Serve "
             f"app on the engine's two cores loses saturated output to vLLM here; ours adds to that floor. At rest, a "
             f"share of one core: bare Ray Serve {cpu('bare-serve-idle')}, ours {cpu('ours-idle')}, vLLM {cpu('vllm-idle')}. "
-            f"OPT-350m at one thread: TPOT {vs350(1)} (a decode step's bf16 GEMVs read the weights slower than vLLM's; docs)")
+            f"OPT-350m at one thread: TPOT {vs350(1)} (a decode step's bf16 GEMVs read the weights slower than vLLM's; "
+            "docs; before the bf16 panels, which the row above re-measures)")
     used = [*p.values(), *p350.values()]
     on = measured_on(machine(b(rel)["machine"], "(no AMX, 2.3 GHz)"), "real engines", docs("random weights"),
                      "bf16 and fp32 (the labels)", "1 and 2 threads (the labels)", days(v["date"] for v in used))
@@ -650,7 +694,7 @@ def fleet(b: Bench) -> Row:
                f"`benchmarks/fleet_sim.py autoscale` / `router` / `scale`, `benchmarks/autoscale_serve.py` (issue 31; {jpath(*rels)})")
 
 
-ROWS: list[Callable[[Bench], Row]] = [bursts_bf16, bursts_fp32, decision_cost, serve_floor_xeon, engine_speed_xeon, engine_speed_bf16, engine_speed, prefix_reuse, socket_bytes,
+ROWS: list[Callable[[Bench], Row]] = [bursts_bf16, bursts_fp32, decision_cost, panels_xeon, serve_floor_xeon, engine_speed_xeon, engine_speed_bf16, engine_speed, prefix_reuse, socket_bytes,
                                      architectures, sampler, int8_accuracy, quantized_weights, fleet]
 
 FOOTNOTES = [

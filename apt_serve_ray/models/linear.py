@@ -25,14 +25,16 @@ reading the weight. ``APT_SERVE_PANEL_LINEAR=0`` turns them off.
   registers and summed by FMAs (bf16 only where the CPU lacks AMX, whose tiles oneDNN uses; not measured here).
   Measured on an Intel Xeon with AVX512-BF16 and no AMX (2026-12-07, ``benchmarks/panel_linear.py --shape opt-350m
   --dtype bfloat16|float32``, JSON ``docs/benchmarks/engine_speed/panel_linear_*_xeon_opt350m.json``): bf16,
-  OPT-350m's linears 0.65-0.75x oneDNN's time at 1-64 rows, one thread and two, quiet and beside noise; a decode
-  step of one request 0.83x / 0.80x at one thread (quiet / beside noise) and 0.67x / 0.62x at two; a 512-token
-  prefill step 0.88x / 1.05x and 0.79x / 0.90x (against the float32 ``wide`` path below). float32: the linears
-  0.75-0.94x at 1-16 rows; a decode step of one request 0.89x / 0.93x at one thread, 0.86x / 0.75x at two.
-  Where panels measure faster than oneDNN by ``PANEL_ALL_ROWS_GAIN`` at 64 and 512 rows (``panels_all_rows``, once
-  per process, dtype and thread count; bf16 on that Xeon: 0.66-0.76x) they take every step and oneDNN's copy is not
-  kept; elsewhere (float32 on that Xeon: 0.89-1.14x) they take steps of at most ``PANEL_MAX_ROWS`` rows and oneDNN
-  the rest, from its own copy. ``APT_SERVE_PANEL_ALL_ROWS=0`` / ``=1`` decides that unmeasured.
+  OPT-350m's linears 0.65-0.82x oneDNN's time at 1-64 rows, one thread and two, quiet and beside noise; a decode
+  step of one request 0.80x / 0.70x at one thread (quiet / beside noise) and 0.77x / 0.59x at two; a 512-token
+  prefill step 0.93x / 0.97x and 0.94x / 0.91x (against the float32 ``wide`` path below). float32: the linears
+  0.74-1.02x at 1-16 rows; a decode step of one request 0.95x / 0.99x at one thread, 0.84x / 0.79x at two (a first
+  run: 0.89x / 0.93x, 0.86x / 0.75x).
+  Where bf16 panels measure faster than oneDNN by ``PANEL_ALL_ROWS_GAIN`` at 64 and 512 rows (``panels_all_rows``,
+  once per process and thread count; 0.66-0.76x on that Xeon) they take every step and oneDNN's copy is not kept;
+  elsewhere, and always in float32, they take steps of at most ``PANEL_MAX_ROWS`` rows and oneDNN the rest from its
+  own copy: float32 panels measured 0.89-1.14x oneDNN's GEMM at 64 and 512 rows on that Xeon and a 512-token prefill
+  step through them 1.22x quiet at two threads. ``APT_SERVE_PANEL_ALL_ROWS=0`` / ``=1`` decides it unmeasured.
 
 ``weight_bytes`` counts every copy kept.
 
@@ -236,15 +238,17 @@ def measure_panels(dtype: torch.dtype) -> dict[int, float]:
 
 @functools.cache
 def panels_all_rows(dtype: torch.dtype, threads: int) -> bool:
-    """Whether ``dtype``'s panels take steps of every size, so that oneDNN's copy of the weight is not kept: they are
-    64 channels wide (AVX-512) and measure faster than oneDNN by ``PANEL_ALL_ROWS_GAIN`` at each of ``PANEL_WIDE_ROWS``
-    rows at ``threads`` threads (once per process), or oneDNN's packing is unavailable. ``APT_SERVE_PANEL_ALL_ROWS=1`` / ``=0``: yes / no
-    unmeasured."""
+    """Whether ``dtype``'s panels take steps of every size, so that oneDNN's copy of the weight is not kept: bf16
+    panels that measure faster than oneDNN by ``PANEL_ALL_ROWS_GAIN`` at each of ``PANEL_WIDE_ROWS`` rows at
+    ``threads`` threads (once per process), or where oneDNN's packing is unavailable; float32 never unless set.
+    ``APT_SERVE_PANEL_ALL_ROWS=1`` / ``=0``: yes / no unmeasured (``=1`` for float32 too, on AVX-512)."""
     if dtype == torch.float32 and panel_width() != 64:
         return False  # AVX2's 16-channel panels: one pass of rows only (docstring)
     setting = os.environ.get("APT_SERVE_PANEL_ALL_ROWS", "auto")
     if setting != "auto":
         return setting == "1"
+    if dtype == torch.float32:
+        return False  # oneDNN's float32 GEMM is level with the panels from 64 rows up (docstring): not measured
     if not packing_available(dtype):
         return True
     ratios = measure_panels(dtype)
