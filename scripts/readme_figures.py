@@ -387,17 +387,22 @@ def panels_xeon(b: Bench) -> Row:
         return "; ".join(f"{c.replace('-', ' ')} **{' / '.join(vs(runs, c))}**" for c in names)
 
     c125 = [c for c in ("bf16-1t", "bf16-2t", "fp32-1t", "fp32-2t") if f"ours-{c}" in p125 and f"vllm-{c}" in p125]
+    second = ""
+    if "ours-fp32-2t-b" in p125:  # a second window at fp32, two threads: without panels, with them, vLLM
+        nop = against(p125["ours-nopanels-fp32-2t-b"]["probe"], p125["vllm-fp32-2t-b"]["probe"])
+        second = (f" (fp32 2t in a second window {' / '.join(vs(p125, 'fp32-2t-b'))}, the same app without panels "
+                  f"{' / '.join(nop)})")
     figure = (f"a decode step of one request (OPT-350m shape), panels over oneDNN's time, quiet / beside noise: bf16 one "
               f"thread {step(rb, 'decode x1 @ 400', 1)}, two {step(rb, 'decode x1 @ 400', 2)}; fp32 one "
               f"{step(rf, 'decode x1 @ 400', 1)}, two {step(rf, 'decode x1 @ 400', 2)} (the linears alone at 1-64 rows: "
               f"bf16 {layers(rb)}, fp32 {layers(rf)}; bf16's panels take every step and oneDNN's copy is dropped, a "
               f"512-token prefill step {step(rb, 'prefill 512 @ 0', 1)} at one thread, {step(rb, 'prefill 512 @ 0', 2)} "
               f"at two). Through Serve against vLLM, TTFT / TPOT / saturated: OPT-350m shape "
-              f"{cells(p350, ['bf16-1t', 'bf16-2t'])}; OPT-125m shape {cells(p125, c125)}.")
+              f"{cells(p350, ['bf16-1t', 'bf16-2t'])}; OPT-125m shape {cells(p125, c125)}{second}.")
     lose = [f"{c.replace('-', ' ')} {['TTFT', 'TPOT', 'saturated'][i]} {v}" for runs, cs in ((p350, ['bf16-1t', 'bf16-2t']), (p125, c125))
             for c in cs for i, v in enumerate(vs(runs, c)) if (float(v[:-1]) > 1.0) != (i == 2) and float(v[:-1]) != 1.0]
-    lose_text = ("; ".join(lose) + " (one window each: a run's noise on these cores is ~10%, docs)") if lose else \
-        "nowhere in these cells, one window each (a run's noise on these cores is ~10%, docs)"
+    lose_text = ("; ".join(lose) + " (one window each; fp32 at two threads also lost in the second window: the "
+                 "Serve app's processes share the engine's two cores, docs)") if lose else "nowhere in these cells"
     used = [*p125.values(), *p350.values()]
     on = measured_on(machine(b(r125)["machine"], "(no AMX, 2.3 GHz)"), "real engines", docs("random weights"),
                      "bf16 and fp32 (the labels)", "1 and 2 threads (the labels)", days(v["date"] for v in used))
@@ -718,7 +723,10 @@ FOOTNOTES = [
     "output 0.97x full width's, docs/benchmarks.md), and those rows were not re-run. Every bf16 row but the "
     "AVX512-BF16-without-AMX one ran before c077f90 (bf16 prefill GEMMs in float32 where a CPU runs that faster) on "
     "CPUs whose bf16 was the faster (Zen 5, AMX), where `measure_wide` keeps bf16 and nothing changes; not re-run "
-    "there to confirm it.",
+    "there to confirm it. Every row measured on an AVX-512 CPU but the panel-linears one ran before 9e1c46d and "
+    "ba9c7eb (64-channel panel linears: bf16 on AVX-512 without AMX, every step; float32, steps of at most 6 rows): "
+    "on the AVX512-BF16-without-AMX Xeon the panel-linears row re-measures the engine-speed cells; the others "
+    "(the Zen 5 rows among them) were not re-run.",
 ]
 
 
