@@ -224,7 +224,9 @@ PANEL_ALL_ROWS_GAIN = 0.95  # panels' time over oneDNN's under which they take e
 
 def measure_panels(dtype: torch.dtype) -> dict[int, float]:
     """At the current compute threads: 64-channel panels' time over oneDNN's packed GEMM in ``dtype`` on a
-    3,072 x 768 layer at each of ``PANEL_WIDE_ROWS`` rows (~0.1-0.3 s)."""
+    3,072 x 768 layer at each of ``PANEL_WIDE_ROWS`` rows (~0.1-0.3 s). ``RuntimeError`` where they are not built."""
+    if not _kernels_say("panel_wide_native"):  # also loads the kernels, whose ops this calls
+        raise RuntimeError("64-channel panel linears are not built here (they need AVX-512)")
     g = torch.Generator().manual_seed(0)
     w = torch.randn(3072, 768, generator=g).to(dtype)
     packed, panels = torch.ops.mkldnn._reorder_linear_weight(w), pack_for(w)

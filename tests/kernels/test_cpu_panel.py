@@ -59,20 +59,25 @@ def test_panel_linear_takes_a_strided_x_and_refuses_bad_shapes(width):
         torch.ops.apt_serve.panel_linear(x.to(torch.bfloat16), panels, None, 40)
 
 
+def _count_rows(monkeypatch, name: str) -> list[int]:
+    """The row counts ``linear.<name>`` is called with from now on (it still runs)."""
+    calls, real = [], getattr(linear, name)
+
+    def spy(x, *args):
+        calls.append(len(x))
+        return real(x, *args)
+
+    monkeypatch.setattr(linear, name, spy)
+    return calls
+
+
 def test_linear_sends_small_steps_to_the_panels(monkeypatch):
     monkeypatch.setattr(linear, "panels_available", lambda: True)
     monkeypatch.setattr(linear, "panels_all_rows", lambda dtype, threads: False)  # oneDNN's copy for more rows
     w, b = torch.randn(48, 32), torch.randn(48)
     layer = linear.Linear(w, b)
     assert layer.panels is not None
-    calls = []
-    real = linear.panel_linear
-
-    def spy(x, *args):
-        calls.append(len(x))
-        return real(x, *args)
-
-    monkeypatch.setattr(linear, "panel_linear", spy)
+    calls = _count_rows(monkeypatch, "panel_linear")
     for m in (1, linear.PANEL_MAX_ROWS, linear.PANEL_MAX_ROWS + 1, 64):
         x = torch.randn(m, 32)
         torch.testing.assert_close(layer(x), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
@@ -142,14 +147,7 @@ def test_bf16_linear_uses_panels_for_small_steps_or_every_step(monkeypatch, all_
     if all_rows:
         assert layer.packed is None and layer.weight is None  # one copy of the weight: the panels
         assert linear.weight_bytes(layer) == 128 * 64 * 2  # 96 channels padded to 128
-    calls = []
-    real = linear.panel_linear_bf16
-
-    def spy(x, *args):
-        calls.append(len(x))
-        return real(x, *args)
-
-    monkeypatch.setattr(linear, "panel_linear_bf16", spy)
+    calls = _count_rows(monkeypatch, "panel_linear_bf16")
     rows = (1, linear.PANEL_MAX_ROWS, linear.PANEL_MAX_ROWS + 1, 300)
     for m in rows:
         x = torch.randn(m, 64, generator=g).to(torch.bfloat16)

@@ -18,6 +18,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -27,6 +28,22 @@
 #include "work_queue.h"
 
 namespace {
+
+// f(std::integral_constant<int, R>{}, r0) for each block of R <= 6 rows from r0, m rows in all: the kernels
+// below keep R rows' sums in registers, so R is a template argument.
+template <typename F>
+inline void six_rows_at_a_time(int64_t m, F&& f) {
+  for (int64_t r0 = 0; r0 < m; r0 += 6) {
+    switch (std::min<int64_t>(6, m - r0)) {
+      case 1: f(std::integral_constant<int, 1>{}, r0); break;
+      case 2: f(std::integral_constant<int, 2>{}, r0); break;
+      case 3: f(std::integral_constant<int, 3>{}, r0); break;
+      case 4: f(std::integral_constant<int, 4>{}, r0); break;
+      case 5: f(std::integral_constant<int, 5>{}, r0); break;
+      default: f(std::integral_constant<int, 6>{}, r0); break;
+    }
+  }
+}
 
 bool panel_native() {
 #if defined(__AVX2__) && defined(__FMA__)
@@ -174,18 +191,9 @@ void wide_panels(const float* xp, int64_t m, int64_t k_in, const T* pp, int64_t 
       const int64_t c0 = WIDE_PANEL * b, nc = std::min<int64_t>(WIDE_PANEL, n - c0);
       const T* panel = pp + b * k_in * WIDE_PANEL;
       const float* pb = bp ? bp + c0 : nullptr;
-      for (int64_t r0 = 0; r0 < m; r0 += 6) {
-        const float* xr = xp + r0 * k_in;
-        T* yr = yp + r0 * n + c0;
-        switch (std::min<int64_t>(6, m - r0)) {
-          case 1: wide_rows<1>(xr, k_in, panel, k_in, yr, n, nc, pb); break;
-          case 2: wide_rows<2>(xr, k_in, panel, k_in, yr, n, nc, pb); break;
-          case 3: wide_rows<3>(xr, k_in, panel, k_in, yr, n, nc, pb); break;
-          case 4: wide_rows<4>(xr, k_in, panel, k_in, yr, n, nc, pb); break;
-          case 5: wide_rows<5>(xr, k_in, panel, k_in, yr, n, nc, pb); break;
-          default: wide_rows<6>(xr, k_in, panel, k_in, yr, n, nc, pb); break;
-        }
-      }
+      six_rows_at_a_time(m, [&](auto rows, int64_t r0) {
+        wide_rows<decltype(rows)::value>(xp + r0 * k_in, k_in, panel, k_in, yp + r0 * n + c0, n, nc, pb);
+      });
     }
   });
 }
@@ -231,18 +239,9 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& packed, const 
         const int64_t c0 = 16 * b, nc = std::min<int64_t>(16, n - c0);
         const float* panel = pp + b * k_in * 16;
         const float* pb = bp ? bp + c0 : nullptr;
-        for (int64_t r0 = 0; r0 < m; r0 += 6) {
-          const float* xr = xp + r0 * k_in;
-          float* yr = yp + r0 * n + c0;
-          switch (std::min<int64_t>(6, m - r0)) {
-            case 1: panel_rows<1>(xr, k_in, panel, k_in, yr, n, nc, pb); break;
-            case 2: panel_rows<2>(xr, k_in, panel, k_in, yr, n, nc, pb); break;
-            case 3: panel_rows<3>(xr, k_in, panel, k_in, yr, n, nc, pb); break;
-            case 4: panel_rows<4>(xr, k_in, panel, k_in, yr, n, nc, pb); break;
-            case 5: panel_rows<5>(xr, k_in, panel, k_in, yr, n, nc, pb); break;
-            default: panel_rows<6>(xr, k_in, panel, k_in, yr, n, nc, pb); break;
-          }
-        }
+        six_rows_at_a_time(m, [&](auto rows, int64_t r0) {
+          panel_rows<decltype(rows)::value>(xp + r0 * k_in, k_in, panel, k_in, yp + r0 * n + c0, n, nc, pb);
+        });
       }
     }
   });
