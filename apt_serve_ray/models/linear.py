@@ -284,8 +284,8 @@ class Linear:
         self.weight = weight if keep_weight or (self.packed is None and not self.all_rows) else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.panels is not None and x.dim() == 2 and not x.requires_grad
-                and (self.all_rows or (x.shape[0] <= PANEL_MAX_ROWS and x.dtype == self.panels.dtype))):
+        if (self.panels is not None and x.dim() == 2 and (self.all_rows or (  # all rows: there is no other copy
+                x.shape[0] <= PANEL_MAX_ROWS and x.dtype == self.panels.dtype and not x.requires_grad))):
             return panel_call(x.to(self.panels.dtype), self.panels, self.bias32, self.out_features)
         if (self.wide and x.dim() == 2 and x.shape[0] >= WIDE_ROWS[0] and x.dtype == torch.bfloat16
                 and not x.requires_grad):
