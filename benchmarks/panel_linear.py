@@ -4,16 +4,17 @@ and two threads, quiet and beside other processes' wake-ups, in float32 or bf16.
     python benchmarks/panel_linear.py [--shape opt-125m] [--threads 1 2] [--dtype float32|bfloat16] \
         [--json docs/benchmarks/engine_speed/panel_linear_avx2.json]
 
-float32 (a CPU without AVX-512): ``Linear`` layers keep their weight in panels of 16 channels for steps of at most
-``PANEL_MAX_ROWS`` rows (``kernels/csrc/cpu_panel.cpp``). bf16 (a CPU with AVX-512 and no AMX): panels of 64
-channels, for every step where ``bf16_panels_all_rows`` measured them no slower than oneDNN (then oneDNN's copy is
-not kept), else for the small ones. Two tables:
+float32: ``Linear`` layers keep their weight in panels of 16 channels (AVX2) or 64 (AVX-512) for steps of at most
+``PANEL_MAX_ROWS`` rows (``kernels/csrc/cpu_panel.cpp``). bf16 (AVX-512; here also where the CPU has AMX): panels of
+64 channels, for every step where ``panels_all_rows`` measured them faster than oneDNN (then oneDNN's copy is not
+kept), else for the small ones. The engine without panels is built with ``APT_SERVE_PANEL_LINEAR=0``. Two tables:
 
 - every linear layer of the model (its decoder layers' and the logits'), ``rows`` rows of x, through the
   panels and through oneDNN's packed weight: the kernel's choice alone;
 - the whole decision: ``ModelRunner.execute`` of decode steps (batch 1 and 4, 400 tokens of context) and of a
   512-token prefill chunk, on two engines over the same checkpoint, one built with panels and one without
   (``APT_SERVE_PANEL_LINEAR=0`` at load), alternated in rounds.
+  (The 512-token prefill runs through the panels only where they take every step: bf16 where measured so.)
 
 Each is timed quiet and beside ``step_under_noise``'s noise (16 processes that each wake every 6 ms and
 spin 60 us: the idle Serve app's wake-ups on these cores), the median of each round, the median of rounds.
@@ -120,9 +121,8 @@ def main(argv=None) -> int:
     _clear_panel_caches()
     available = linear.bf16_panels_available() if a.dtype == "bfloat16" else linear.panels_available()
     if not available:
-        print(f"{a.dtype} panel linears are not available here (float32: AVX-512 present; bf16: no AVX-512 or AMX"
-              " present; or the kernels did not build): set APT_SERVE_PANEL_LINEAR=1 to measure them anyway",
-              file=sys.stderr)
+        print(f"{a.dtype} panel linears are not available here (float32 needs AVX2 and FMA, bf16 AVX-512 and no AMX"
+              " unless APT_SERVE_PANEL_LINEAR=1; or the kernels did not build)", file=sys.stderr)
         return 2
     path = random_checkpoint(a.shape, a.cache_dir)
     with_panels, runner_p = engine(path, True, a.dtype)
