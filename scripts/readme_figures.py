@@ -366,6 +366,12 @@ def engine_speed_bf16(b: Bench) -> Row:
                "`*-bf16-1t`, `ours-bf16-2t-bound-*`)")
 
 
+def on_the_xeon(header: dict, used: list[dict]) -> str:
+    """The "measured on" cell of the rows run on the AVX512-BF16 Xeon without AMX, both dtypes, one and two threads."""
+    return measured_on(machine(header, "(no AMX, 2.3 GHz)"), "real engines", docs("random weights"),
+                       "bf16 and fp32 (the labels)", "1 and 2 threads (the labels)", days(v["date"] for v in used))
+
+
 def panels_xeon(b: Bench) -> Row:
     """Panel linears on AVX-512 (bf16 and float32) on the Xeon: the step A/B and the probes against vLLM (ninth pass)."""
     rb, rf = "engine_speed/panel_linear_bf16_xeon_opt350m.json", "engine_speed/panel_linear_fp32_xeon_opt350m.json"
@@ -406,8 +412,7 @@ def panels_xeon(b: Bench) -> Row:
                  "moves 10-30% between windows here, where the Serve app's processes share the engine's two cores, "
                  "docs)") if lose else "nowhere in these cells"
     used = [*p125.values(), *p350.values()]
-    on = measured_on(machine(b(r125)["machine"], "(no AMX, 2.3 GHz)"), "real engines", docs("random weights"),
-                     "bf16 and fp32 (the labels)", "1 and 2 threads (the labels)", days(v["date"] for v in used))
+    on = on_the_xeon(b(r125)["machine"], used)
     return Row("panel linears on AVX-512 (64 output channels a panel, bf16 widened in registers) on a CPU with "
                "AVX512-BF16 and no AMX, and engine speed with them against vLLM CPU 0.32 with its defaults, same "
                "pages, budget and threads", figure, lose_text, on,
@@ -444,8 +449,7 @@ def serve_floor_xeon(b: Bench) -> Row:
             f"OPT-350m at one thread: TPOT {vs350(1)} (a decode step's bf16 GEMVs read the weights slower than vLLM's; "
             "docs; before the bf16 panels, which the row above re-measures)")
     used = [*p.values(), *p350.values()]
-    on = measured_on(machine(b(rel)["machine"], "(no AMX, 2.3 GHz)"), "real engines", docs("random weights"),
-                     "bf16 and fp32 (the labels)", "1 and 2 threads (the labels)", days(v["date"] for v in used))
+    on = on_the_xeon(b(rel)["machine"], used)
     return Row("what Ray Serve itself costs an engine that computes on both of two cores, against vLLM CPU 0.32 with its "
                "defaults, OPT-125m shape, same pages, budget and threads: TTFT and TPOT of one stream, output tok/s with "
                "64 sent at once", figure, lose, on,
@@ -479,8 +483,7 @@ def engine_speed_xeon(b: Bench) -> Row:
             "(docs: ~3,700 a second; timer slack for them tried, within the noise); bf16 here computes no faster than "
             "fp32 (no AMX; docs)")
     used = [*pb.values(), *pf.values()]
-    on = measured_on(machine(b(rb)["machine"], "(no AMX, 2.3 GHz)"), "real engines", docs("random weights"),
-                     "bf16 and fp32 (the labels)", "1 and 2 threads (the labels)", days(v["date"] for v in used))
+    on = on_the_xeon(b(rb)["machine"], used)
     return Row("engine speed on a CPU with AVX512-BF16 and no AMX against vLLM CPU 0.32 with its defaults, OPT-125m "
                "shape, same pages, budget and threads: TTFT and TPOT of one stream, output tok/s with 64 sent at once",
                figure, lose, on,
