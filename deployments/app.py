@@ -90,6 +90,11 @@ class _AppArgs(BaseModel):
     # With num_threads set: each engine replica's compute thread(s) get CPUs of their own on its node,
     # and the Serve processes and threads of the app are kept off them (apt_serve_ray/worker/cpu_affinity.py).
     pin_cpus: bool = True
+    # Each engine replica puts its node's Ray processes (proxy, router, controller, Serve's controller, GCS,
+    # raylet, its own actor) under SCHED_BATCH: their timer wake-ups wait for the kernel's tick instead of
+    # preempting the engine's compute threads, whose process stays SCHED_OTHER (cpu_affinity.yield_to_engines;
+    # docs/benchmarks.md, issue 41's tenth pass). Needs the engine in a process of its own.
+    yield_to_engines: bool = True
     # "module:callable" building each engine replica's engine client (deployments.engine_replica.make_engine_client;
     # e.g. a fake engine in tests); None: AsyncLLMEngine, the engine in a process of the replica's own.
     engine_client: Optional[str] = None
@@ -276,7 +281,8 @@ def build_app(args: AppArgs | dict) -> Application:
     ).bind(engine_config, controller, ReplicaOptions(
         model_name=name, report_interval_s=args.control_interval_s, pin_cpus=pin,
         stream_interval_s=args.stream_interval_s, stream_items_per_s=args.stream_items_per_s or None,
-        tracing_exporter=args.tracing_exporter, mirror_metrics=args.mirror_metrics, engine_client=args.engine_client))
+        tracing_exporter=args.tracing_exporter, mirror_metrics=args.mirror_metrics, engine_client=args.engine_client,
+        yield_to_engines=args.yield_to_engines))
     max_in_flight = (args.max_in_flight_per_replica or config.max_num_seqs) * args.max_engine_replicas
     router_options = RouterOptions(
         model=args.model, served_model_name=args.served_model_name, tokenizer=args.tokenizer,

@@ -93,6 +93,9 @@ class ReplicaOptions(BaseModel):
     ``stream_interval_s`` would send more: with n streams each waits ``n / stream_items_per_s`` (still at
     most a quarter of its TBT target); None: no such bound. ``model_name``, ``tracing_exporter``,
     ``mirror_metrics``: the metric tag, where spans go, whether metric values are kept in memory too.
+    ``yield_to_engines``: with the engine in a process of its own, put this node's Ray processes (this
+    replica's too) under ``SCHED_BATCH``, so that their wake-ups wait for the tick instead of preempting the
+    engine's threads (``cpu_affinity.yield_to_engines``).
     ``engine_client``: "module:callable" that builds the replica's engine client from the engine config,
     ``observers=`` and ``metrics_backend=``, an object with ``AsyncLLMEngine``'s interface (a fake in
     tests, an engine elsewhere); None: ``AsyncLLMEngine`` (``make_engine_client``)."""
@@ -107,6 +110,7 @@ class ReplicaOptions(BaseModel):
     tracing_exporter: Literal["none", "console", "otlp", "memory"]
     mirror_metrics: bool
     engine_client: Optional[str]
+    yield_to_engines: bool
 
 
 @serve.deployment(max_ongoing_requests=256, health_check_period_s=5.0)
@@ -150,6 +154,10 @@ class EngineReplica:
                 logger.info("engine replica %s: compute on CPUs %s, other threads (and %d Ray processes of "
                             "this node) on %s", self.replica_id, list(engine_config.cpu_affinity), moved, rest)
         self.engine.start()
+        if options.yield_to_engines and engine_config.engine_process and options.engine_client is None:
+            changed = cpu_affinity.yield_to_engines()
+            logger.info("engine replica %s: %d Ray processes of this node (this one too) under SCHED_BATCH; the "
+                        "engine's process keeps SCHED_OTHER", self.replica_id, changed)
         self.num_requests = 0
         self.num_aborted = 0  # callers that went away (disconnect, cancel) before the end
         # Requests received but not yet prefilled hold no pages yet; the router must still count

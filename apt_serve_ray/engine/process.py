@@ -219,6 +219,9 @@ class EngineProcess:
 
 
 def _child(fd: int) -> None:
+    from apt_serve_ray.worker.cpu_affinity import run_as_normal
+
+    run_as_normal()  # the replica's Ray threads may be under SCHED_BATCH (``yield_to_engines``); not the engine
     conn = Connection(fd)
     config, spec = conn.recv()
     _engine_main(config, spec, conn)

@@ -113,18 +113,13 @@ def other_cpus(num_engine_replicas: int, num_threads: int, cpus: list[int] | Non
 _RAY_PROCESS_MARKS = ("ray::", "/ray/core/src/ray/", "/ray/dashboard/", "/ray/_private/", "/ray/autoscaler/")
 
 
-def keep_ray_processes_off(cpus, skip=("EngineReplica",)) -> int:
-    """Pin every thread of this node's Ray processes (``_RAY_PROCESS_MARKS``; not this process, its
-    children, nor those whose command line has one of ``skip``) to ``cpus``; workers the raylet
-    starts later inherit its CPUs. Measured through Ray Serve on 2 cores (bf16, one compute thread,
-    the engine pinned to core 0 and only the router and controller kept off it): mixed steps ran
-    1.2-1.4x their prediction at the median and single steps up to 2.4x (0.62 s for a 0.26 s step),
-    breaking 0.5 s gaps that in-process runs kept; the proxy, the GCS, the raylet and the dashboard
-    still ran on the engine's core. Returns the processes moved. Linux only."""
-    if not hasattr(os, "sched_setaffinity") or not os.path.isdir("/proc"):
-        return 0
+def _ray_processes(skip=(), marks=_RAY_PROCESS_MARKS):
+    """This node's Ray processes (a command line with one of ``marks``), as their /proc directories: not
+    this process, its children, nor those whose command line has one of ``skip``. Linux only (empty
+    elsewhere)."""
+    if not os.path.isdir("/proc"):
+        return
     me = os.getpid()
-    moved = 0
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == me:
             continue
@@ -132,12 +127,60 @@ def keep_ray_processes_off(cpus, skip=("EngineReplica",)) -> int:
             proc = Path("/proc", entry)
             cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if ppid == me or not any(m in cmd for m in _RAY_PROCESS_MARKS) or any(k in cmd for k in skip):
-                continue
-            for tid in os.listdir(proc / "task"):
-                os.sched_setaffinity(int(tid), set(cpus))
-            moved += 1
-        except (OSError, ValueError, IndexError):  # ended meanwhile, or not ours to move
+        except (OSError, ValueError, IndexError):  # ended meanwhile
             continue
-    return moved
+        if ppid != me and any(m in cmd for m in marks) and not any(k in cmd for k in skip):
+            yield proc
 
+
+def _each_thread(proc: Path, act) -> bool:
+    """``act(tid)`` on every thread of ``proc``; False if the process ended or is not ours to change."""
+    try:
+        for tid in os.listdir(proc / "task"):
+            act(int(tid))
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def keep_ray_processes_off(cpus, skip=("EngineReplica",)) -> int:
+    """Pin every thread of this node's Ray processes (``_ray_processes``) to ``cpus``; workers the raylet
+    starts later inherit its CPUs. Measured through Ray Serve on 2 cores (bf16, one compute thread,
+    the engine pinned to core 0 and only the router and controller kept off it): mixed steps ran
+    1.2-1.4x their prediction at the median and single steps up to 2.4x (0.62 s for a 0.26 s step),
+    breaking 0.5 s gaps that in-process runs kept; the proxy, the GCS, the raylet and the dashboard
+    still ran on the engine's core. Returns the processes moved. Linux only."""
+    if not hasattr(os, "sched_setaffinity"):
+        return 0
+    return sum(_each_thread(proc, lambda tid: os.sched_setaffinity(tid, set(cpus)))
+               for proc in _ray_processes(skip))
+
+
+def _set_batch(tid: int) -> None:
+    os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
+
+
+def yield_to_engines(marks=_RAY_PROCESS_MARKS) -> int:
+    """Put every thread of this node's Ray processes (``_ray_processes``, and this process, but not its
+    children: the engine's process) under ``SCHED_BATCH``; threads and workers they start later inherit
+    it. The kernel then lets a batch thread that wakes wait for the next tick (4 ms at HZ=250) instead of
+    preempting the thread running there: on a node where the engine computes on every core, the Serve
+    app's ~2,500 timer wake-ups a second (each Ray actor's 10-ms signal check, its event loop, gRPC
+    pollers) no longer each stop a compute thread, and run together when the kernel switches anyway.
+    The engine's process sets itself back to ``SCHED_OTHER`` (``run_as_normal``). Measured through Serve
+    on 2 cores (OPT-125m float32, two compute threads, two alternated pairs; docs/benchmarks.md, issue
+    41's tenth pass): TPOT at one stream 45.3 -> 40.7 ms, saturated output 79.4 -> 84.6 tok/s. Returns
+    the processes changed (this one included). Linux only."""
+    if not hasattr(os, "sched_setscheduler") or not os.path.isdir("/proc/self/task"):
+        return 0
+    changed = int(_each_thread(Path("/proc/self"), _set_batch))
+    return changed + sum(_each_thread(proc, _set_batch) for proc in _ray_processes(marks=marks))
+
+
+def run_as_normal() -> bool:
+    """Put the calling thread (and those it starts later) back under ``SCHED_OTHER`` if it inherited
+    another policy (``yield_to_engines``' batch): the engine's process, at its start. True if changed."""
+    if not hasattr(os, "sched_getscheduler") or os.sched_getscheduler(0) == os.SCHED_OTHER:
+        return False
+    os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    return True
