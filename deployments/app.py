@@ -90,11 +90,12 @@ class _AppArgs(BaseModel):
     # With num_threads set: each engine replica's compute thread(s) get CPUs of their own on its node,
     # and the Serve processes and threads of the app are kept off them (apt_serve_ray/worker/cpu_affinity.py).
     pin_cpus: bool = True
-    # Each engine replica puts its node's Ray processes (proxy, router, controller, Serve's controller, GCS,
-    # raylet, its own actor) under SCHED_BATCH: their timer wake-ups wait for the kernel's tick instead of
-    # preempting the engine's compute threads, whose process stays SCHED_OTHER (cpu_affinity.yield_to_engines;
-    # docs/benchmarks.md, issue 41's tenth pass). Needs the engine in a process of its own.
-    yield_to_engines: bool = True
+    # True: each engine replica puts its node's Ray processes (proxy, router, controllers, GCS, raylet, its own
+    # actor) under SCHED_BATCH: their timer wake-ups wait for the kernel's tick instead of preempting the
+    # engine's compute threads, whose process stays SCHED_OTHER (cpu_affinity.yield_to_engines). For
+    # throughput: with as many compute threads as cores, saturated output 1.11x, but issue 44's burst trace
+    # lost attainment (docs/benchmarks.md, issue 41's tenth pass), so off by default. Needs the engine process.
+    yield_to_engines: bool = False
     # "module:callable" building each engine replica's engine client (deployments.engine_replica.make_engine_client;
     # e.g. a fake engine in tests); None: AsyncLLMEngine, the engine in a process of the replica's own.
     engine_client: Optional[str] = None

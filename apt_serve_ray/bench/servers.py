@@ -90,6 +90,10 @@ OURS_VARIANTS = {
     "ours-inturn": dict(policy_options={"write_off_fewest": False}),
     # as before issue 44's fifth pass: written off in turn, the reservation passed on at admission
     "ours-prev": dict(policy_options={"write_off_fewest": False, "keep_reservation": False}),
+    # the node's Ray processes under SCHED_BATCH (cpu_affinity.yield_to_engines; off as shipped)
+    "ours-yield": dict(yield_to_engines=True),
+    # ... and as shipped, said explicitly (the name the tenth pass's burst A/B ran under, when yield was on)
+    "ours-noyield": dict(yield_to_engines=False),
 }
 # vLLM with its defaults (FCFS, prefix caching on), with priorities (told each request's), without
 # prefix caching (a lab baseline: users run vLLM with it on).

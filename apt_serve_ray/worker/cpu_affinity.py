@@ -168,9 +168,10 @@ def yield_to_engines(marks=_RAY_PROCESS_MARKS) -> int:
     app's ~2,500 timer wake-ups a second (each Ray actor's 10-ms signal check, its event loop, gRPC
     pollers) no longer each stop a compute thread, and run together when the kernel switches anyway.
     The engine's process sets itself back to ``SCHED_OTHER`` (``run_as_normal``). Measured through Serve
-    on 2 cores (OPT-125m float32, two compute threads, two alternated pairs; docs/benchmarks.md, issue
-    41's tenth pass): TPOT at one stream 45.3 -> 40.7 ms, saturated output 79.4 -> 84.6 tok/s. Returns
-    the processes changed (this one included). Linux only."""
+    on 2 cores, two compute threads (OPT-125m, seven alternated pairs; docs/benchmarks.md, issue 41's tenth
+    pass): saturated output 1.11x on average, fp32's single-stream TPOT 41.6 -> 38.1 ms, bf16's 22.5 ->
+    25.8 ms; issue 44's burst trace lost 2.5 and 11 points of attainment. So the app's ``yield_to_engines``
+    is off by default. Returns the processes changed (this one included). Linux only."""
     if not hasattr(os, "sched_setscheduler") or not os.path.isdir("/proc/self/task"):
         return 0
     changed = int(_each_thread(Path("/proc/self"), _set_batch))

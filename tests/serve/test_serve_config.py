@@ -194,3 +194,16 @@ def test_the_replica_takes_its_engine_client_injected(tmp_path, monkeypatch, opt
     with pytest.raises(ValueError, match="engine_client"):
         AppArgs(engine_client="no_colon")
     assert AppArgs(engine_client="fake_engine_client:Fake").engine_client == "fake_engine_client:Fake"
+
+
+@pytest.mark.parametrize("value", [None, True, False])
+def test_yield_to_engines_reaches_every_engine_replica_and_is_off_by_default(value):
+    from deployments.app import build_app
+    from deployments.engine_replica import ReplicaOptions
+
+    (app,) = load_config()["applications"]
+    args = dict(app["args"]) if value is None else {**app["args"], "yield_to_engines": value}
+    router = build_app(args)._bound_deployment
+    engine = router.init_args[0]._bound_deployment  # Router(engine, controller, options)
+    (options,) = [a for a in engine.init_args if isinstance(a, ReplicaOptions)]
+    assert options.yield_to_engines is bool(value)
